@@ -1,0 +1,54 @@
+// Errors: one exception type carrying a component tag, raised through DT_CHECK-style
+// macros that capture file and line and format the offending values.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace dtrain {
+
+/// Every error dtrain raises at an API boundary. what() reads
+/// "[component] message (file:line)" so a user sees where and what.
+class Error : public std::runtime_error {
+ public:
+  Error(std::string component, const std::string& message, const char* file, int line);
+  const std::string& component() const { return component_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  std::string component_;
+  std::string message_;
+};
+
+namespace detail {
+[[noreturn]] void throw_error(const char* component, const char* file, int line,
+                              const std::string& message);
+}  // namespace detail
+
+}  // namespace dtrain
+
+/// Throws dtrain::Error("[comp] <formatted message>") when cond is false.
+#define DT_CHECK(cond, comp, ...)                                                        \
+  do {                                                                                   \
+    if (!(cond)) [[unlikely]] {                                                          \
+      ::dtrain::detail::throw_error(comp, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
+    }                                                                                    \
+  } while (0)
+
+#define DT_THROW(comp, ...) \
+  ::dtrain::detail::throw_error(comp, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__))
+
+/// Enforce a == b, naming both expressions and values.
+#define DT_CHECK_EQ(a, b, comp, ...)                                                       \
+  do {                                                                                     \
+    const auto& dt_a_ = (a);                                                               \
+    const auto& dt_b_ = (b);                                                               \
+    if (!(dt_a_ == dt_b_)) [[unlikely]] {                                                  \
+      ::dtrain::detail::throw_error(                                                       \
+          comp, __FILE__, __LINE__,                                                        \
+          ::fmt::format("{} ({} != {}: {} vs {})", ::fmt::format(__VA_ARGS__), #a, #b,     \
+                        dt_a_, dt_b_));                                                    \
+    }                                                                                      \
+  } while (0)

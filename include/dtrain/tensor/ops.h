@@ -1,0 +1,62 @@
+// Differentiable operations on f32 tensors. Every op checks its inputs and throws
+// dtrain::Error naming the op and the shapes involved.
+#pragma once
+
+#include <vector>
+
+#include "dtrain/tensor/tensor.h"
+
+namespace dtrain {
+
+class Generator;
+
+namespace ops {
+
+// ---- elementwise, with NumPy broadcasting ----
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor add_scalar(const Tensor& a, float s);
+Tensor mul_scalar(const Tensor& a, float s);
+Tensor neg(const Tensor& a);
+Tensor relu(const Tensor& a);
+/// tanh approximation, as GPT-2.
+Tensor gelu(const Tensor& a);
+Tensor tanh(const Tensor& a);
+Tensor exp(const Tensor& a);
+Tensor log(const Tensor& a);
+Tensor square(const Tensor& a);
+Tensor sqrt(const Tensor& a);
+
+/// Shape of broadcasting a with b; throws naming both shapes when incompatible.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+/// Sums grad (shape broadcast_shape) down to `shape` (no autograd).
+Tensor sum_to(const Tensor& grad, const Shape& shape);
+
+// ---- reductions ----
+/// Sum over `dims` (negative counts from the end; empty = all dims).
+Tensor sum(const Tensor& a, std::vector<int64_t> dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& a, std::vector<int64_t> dims = {}, bool keepdim = false);
+
+// ---- linear algebra ----
+/// a (..., M, K) x b (K, N) or b (..., K, N) with the same leading dims -> (..., M, N).
+Tensor matmul(const Tensor& a, const Tensor& b);
+/// x (..., in) W (out, in)^T + bias (out) -> (..., out). bias may be undefined.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
+
+// ---- neural-network ops (over the last dimension) ----
+Tensor softmax(const Tensor& a);
+Tensor log_softmax(const Tensor& a);
+/// Mean cross-entropy of logits (N, C) against integer class targets (N) stored as f32.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets);
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps = 1e-5f);
+/// Rows of weight (V, C) picked by integer ids stored as f32 (any shape S) -> (S..., C).
+Tensor embedding(const Tensor& weight, const Tensor& ids);
+/// Fused causal self-attention: qkv (B, T, 3C) laid out [q | k | v], n_head heads -> (B, T, C).
+Tensor causal_attention(const Tensor& qkv, int64_t n_head);
+/// Zeroes elements with probability p and scales the rest by 1/(1-p); identity if !training.
+Tensor dropout(const Tensor& a, float p, bool training, Generator& gen);
+
+}  // namespace ops
+}  // namespace dtrain

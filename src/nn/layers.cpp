@@ -1,0 +1,99 @@
+#include "dtrain/nn/layers.h"
+
+#include <cmath>
+
+#include "dtrain/core/error.h"
+#include "dtrain/tensor/ops.h"
+
+namespace dtrain::nn {
+
+Linear::Linear(int64_t in, int64_t out, bool with_bias, Generator& gen) {
+  DT_CHECK(in > 0 && out > 0, "nn", "Linear({}, {}): sizes must be positive", in, out);
+  const float bound = 1.0f / std::sqrt(static_cast<float>(in));
+  weight = register_parameter("weight", Tensor::uniform({out, in}, gen, -bound, bound));
+  if (with_bias) bias = register_parameter("bias", Tensor::uniform({out}, gen, -bound, bound));
+}
+
+Tensor Linear::forward(const Tensor& x) { return ops::linear(x, weight, bias); }
+
+LayerNorm::LayerNorm(int64_t width, float eps_) : eps(eps_) {
+  weight = register_parameter("weight", Tensor::ones({width}));
+  bias = register_parameter("bias", Tensor::zeros({width}));
+}
+
+Tensor LayerNorm::forward(const Tensor& x) { return ops::layer_norm(x, weight, bias, eps); }
+
+Tensor ReLU::forward(const Tensor& x) { return ops::relu(x); }
+
+Tensor GELU::forward(const Tensor& x) { return ops::gelu(x); }
+
+Tensor Dropout::forward(const Tensor& x) { return ops::dropout(x, p_, is_training(), gen_); }
+
+LinearAct::LinearAct(int64_t in, int64_t out, bool relu, Generator& gen)
+    : fc_(register_module("fc", std::make_shared<Linear>(in, out, true, gen))), relu_(relu) {}
+
+Tensor LinearAct::forward(const Tensor& x) {
+  Tensor y = fc_->forward(x);
+  return relu_ ? ops::relu(y) : y;
+}
+
+namespace {
+constexpr float kInitStd = 0.02f;
+
+// GPT-2 initialisation: weights N(0, 0.02), biases zero.
+void gpt_init(Linear& l, Generator& gen, float std) {
+  l.weight.copy_from(Tensor::randn(l.weight.shape(), gen, std));
+  if (l.bias.defined()) l.bias.fill_(0.0f);
+}
+}  // namespace
+
+GptEmbedding::GptEmbedding(const GptConfig& cfg, Generator& gen) {
+  wte = register_parameter("wte", Tensor::randn({cfg.vocab, cfg.width}, gen, kInitStd));
+  wpe = register_parameter("wpe", Tensor::randn({cfg.seq_len, cfg.width}, gen, kInitStd));
+  drop_ = register_module("drop", std::make_shared<Dropout>(cfg.dropout, gen.next_u64()));
+}
+
+Tensor GptEmbedding::forward(const Tensor& ids) {
+  DT_CHECK(ids.dim() == 2, "nn", "GPT input must be token ids (B, T), got {}", shape_str(ids.shape()));
+  const int64_t t = ids.size(1);
+  DT_CHECK(t <= wpe.size(0), "nn", "sequence length {} exceeds the model's {}", t, wpe.size(0));
+  Tensor tok = ops::embedding(wte, ids);  // (B, T, C)
+  Tensor pos = wpe.slice(0, 0, t);        // (T, C)
+  return drop_->forward(ops::add(tok, pos));
+}
+
+TransformerBlock::TransformerBlock(const GptConfig& cfg, int64_t /*layer*/, Generator& gen) : heads_(cfg.heads) {
+  DT_CHECK(cfg.heads > 0 && cfg.width % cfg.heads == 0, "nn", "GPT width {} is not divisible by {} heads",
+           cfg.width, cfg.heads);
+  const int64_t c = cfg.width;
+  ln1_ = register_module("ln1", std::make_shared<LayerNorm>(c));
+  qkv_ = register_module("qkv", std::make_shared<Linear>(c, 3 * c, true, gen));
+  proj_ = register_module("proj", std::make_shared<Linear>(c, c, true, gen));
+  ln2_ = register_module("ln2", std::make_shared<LayerNorm>(c));
+  fc_ = register_module("fc", std::make_shared<Linear>(c, 4 * c, true, gen));
+  fc_proj_ = register_module("fc_proj", std::make_shared<Linear>(4 * c, c, true, gen));
+  drop_ = register_module("drop", std::make_shared<Dropout>(cfg.dropout, gen.next_u64()));
+  // Residual projections are scaled down by sqrt(2 L) (GPT-2).
+  const float res_std = kInitStd / std::sqrt(2.0f * static_cast<float>(cfg.layers));
+  gpt_init(*qkv_, gen, kInitStd);
+  gpt_init(*proj_, gen, res_std);
+  gpt_init(*fc_, gen, kInitStd);
+  gpt_init(*fc_proj_, gen, res_std);
+}
+
+Tensor TransformerBlock::forward(const Tensor& x) {
+  Tensor a = proj_->forward(ops::causal_attention(qkv_->forward(ln1_->forward(x)), heads_));
+  Tensor h = ops::add(x, drop_->forward(a));
+  Tensor m = fc_proj_->forward(ops::gelu(fc_->forward(ln2_->forward(h))));
+  return ops::add(h, drop_->forward(m));
+}
+
+GptHead::GptHead(const GptConfig& cfg, Generator& gen) {
+  ln_f_ = register_module("ln_f", std::make_shared<LayerNorm>(cfg.width));
+  lm_head_ = register_module("lm_head", std::make_shared<Linear>(cfg.width, cfg.vocab, false, gen));
+  gpt_init(*lm_head_, gen, kInitStd);
+}
+
+Tensor GptHead::forward(const Tensor& x) { return lm_head_->forward(ln_f_->forward(x)); }
+
+}  // namespace dtrain::nn

@@ -1,0 +1,62 @@
+#include "dtrain/nn/module.h"
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::nn {
+
+Tensor Module::register_parameter(const std::string& name, Tensor value) {
+  for (const auto& [n, t] : params_) {
+    DT_CHECK(n != name, "nn", "parameter '{}' registered twice", name);
+  }
+  value.set_requires_grad(true);
+  params_.emplace_back(name, value);
+  return value;
+}
+
+void Module::collect(const std::string& prefix, std::vector<NamedTensor>& out) const {
+  for (const auto& [name, t] : params_) out.emplace_back(prefix + name, t);
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", out);
+}
+
+std::vector<NamedTensor> Module::named_parameters() const {
+  std::vector<NamedTensor> out;
+  collect("", out);
+  return out;
+}
+
+std::vector<Tensor> Module::parameters() const {
+  std::vector<Tensor> out;
+  for (auto& [name, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+int64_t Module::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& [name, t] : named_parameters()) n += t.numel();
+  return n;
+}
+
+void Module::zero_grad() {
+  for (auto& [name, t] : named_parameters()) t.zero_grad();
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [name, child] : children_) child->train(on);
+}
+
+void Sequential::add(const std::string& name, std::shared_ptr<Module> block) {
+  blocks_.push_back(register_module(name, std::move(block)));
+}
+
+Tensor Sequential::forward(const Tensor& x) { return forward_range(x, 0, blocks_.size()); }
+
+Tensor Sequential::forward_range(const Tensor& x, size_t begin, size_t end) {
+  DT_CHECK(begin <= end && end <= blocks_.size(), "nn", "forward_range [{}, {}) of {} blocks", begin, end,
+           blocks_.size());
+  Tensor h = x;
+  for (size_t i = begin; i < end; ++i) h = blocks_[i]->forward(h);
+  return h;
+}
+
+}  // namespace dtrain::nn

@@ -1,0 +1,132 @@
+#include "dtrain/optim/optim.h"
+
+#include <cmath>
+
+#include "dtrain/core/error.h"
+#include "dtrain/tensor/autograd.h"
+
+namespace dtrain::optim {
+
+void Optimizer::zero_grad() {
+  for (auto& p : params_) p.zero_grad();
+}
+
+Sgd::Sgd(std::vector<Tensor> params, float lr, float momentum, float weight_decay, bool nesterov)
+    : Optimizer(std::move(params)), momentum_(momentum), weight_decay_(weight_decay), nesterov_(nesterov) {
+  DT_CHECK(lr >= 0.0f && momentum >= 0.0f && weight_decay >= 0.0f, "optim",
+           "SGD: lr {}, momentum {} and weight decay {} must be non-negative", lr, momentum, weight_decay);
+  lr_ = lr;
+  momentum_buf_.resize(params_.size());
+}
+
+void Sgd::step() {
+  NoGradGuard no_grad;
+  ++step_count_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor g = params_[i].grad();
+    if (!g.defined()) continue;
+    float* p = params_[i].data();
+    const float* pg = g.data();
+    const int64_t n = params_[i].numel();
+    if (momentum_ == 0.0f) {
+      for (int64_t j = 0; j < n; ++j) p[j] -= lr_ * (pg[j] + weight_decay_ * p[j]);
+      continue;
+    }
+    const bool first = !momentum_buf_[i].defined();
+    if (first) momentum_buf_[i] = Tensor::empty(params_[i].shape());
+    float* buf = momentum_buf_[i].data();
+    for (int64_t j = 0; j < n; ++j) {
+      const float d = pg[j] + weight_decay_ * p[j];
+      buf[j] = first ? d : momentum_ * buf[j] + d;
+      p[j] -= lr_ * (nesterov_ ? d + momentum_ * buf[j] : buf[j]);
+    }
+  }
+}
+
+std::vector<nn::NamedTensor> Sgd::state() const {
+  std::vector<nn::NamedTensor> out;
+  for (size_t i = 0; i < momentum_buf_.size(); ++i) {
+    if (momentum_buf_[i].defined()) out.emplace_back("momentum." + std::to_string(i), momentum_buf_[i]);
+  }
+  return out;
+}
+
+AdamW::AdamW(std::vector<Tensor> params, float lr, float beta1, float beta2, float eps, float weight_decay)
+    : Optimizer(std::move(params)), beta1_(beta1), beta2_(beta2), eps_(eps), weight_decay_(weight_decay) {
+  DT_CHECK(lr >= 0.0f && beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f && eps > 0.0f, "optim",
+           "AdamW: invalid lr {}, betas ({}, {}) or eps {}", lr, beta1, beta2, eps);
+  lr_ = lr;
+  exp_avg_.resize(params_.size());
+  exp_avg_sq_.resize(params_.size());
+  steps_.assign(params_.size(), 0);
+}
+
+void AdamW::step() {
+  NoGradGuard no_grad;
+  ++step_count_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor g = params_[i].grad();
+    if (!g.defined()) continue;
+    if (!exp_avg_[i].defined()) {
+      exp_avg_[i] = Tensor::zeros(params_[i].shape());
+      exp_avg_sq_[i] = Tensor::zeros(params_[i].shape());
+    }
+    const int64_t t = ++steps_[i];
+    const float bc1 = 1.0f - std::pow(beta1_, static_cast<float>(t));
+    const float bc2 = 1.0f - std::pow(beta2_, static_cast<float>(t));
+    const float step_size = lr_ / bc1;
+    const float bc2_sqrt = std::sqrt(bc2);
+    const float decay = 1.0f - lr_ * weight_decay_;
+    float* p = params_[i].data();
+    const float* pg = g.data();
+    float* m = exp_avg_[i].data();
+    float* v = exp_avg_sq_[i].data();
+    for (int64_t j = 0, n = params_[i].numel(); j < n; ++j) {
+      p[j] *= decay;
+      m[j] = beta1_ * m[j] + (1.0f - beta1_) * pg[j];
+      v[j] = beta2_ * v[j] + (1.0f - beta2_) * pg[j] * pg[j];
+      p[j] -= step_size * m[j] / (std::sqrt(v[j]) / bc2_sqrt + eps_);
+    }
+  }
+}
+
+std::vector<nn::NamedTensor> AdamW::state() const {
+  std::vector<nn::NamedTensor> out;
+  for (size_t i = 0; i < exp_avg_.size(); ++i) {
+    if (!exp_avg_[i].defined()) continue;
+    out.emplace_back("exp_avg." + std::to_string(i), exp_avg_[i]);
+    out.emplace_back("exp_avg_sq." + std::to_string(i), exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+float LrSchedule::at(int64_t step) const {
+  if (warmup > 0 && step < warmup) return base_lr * static_cast<float>(step + 1) / static_cast<float>(warmup);
+  if (!cosine) return base_lr;
+  const int64_t span = std::max<int64_t>(total - warmup, 1);
+  const double progress = std::min(1.0, static_cast<double>(step - warmup) / static_cast<double>(span));
+  return min_lr + static_cast<float>(0.5 * (1.0 + std::cos(M_PI * progress))) * (base_lr - min_lr);
+}
+
+float clip_grad_norm(const std::vector<Tensor>& params, float max_norm) {
+  double sq = 0.0;
+  for (const auto& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    const float* pg = g.data();
+    for (int64_t j = 0, n = g.numel(); j < n; ++j) sq += static_cast<double>(pg[j]) * pg[j];
+  }
+  const auto norm = static_cast<float>(std::sqrt(sq));
+  if (max_norm > 0.0f && norm > max_norm) {
+    const float scale = max_norm / (norm + 1e-6f);
+    for (const auto& p : params) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      float* pg = g.data();
+      for (int64_t j = 0, n = g.numel(); j < n; ++j) pg[j] *= scale;
+    }
+  }
+  return norm;
+}
+
+}  // namespace dtrain::optim

@@ -1,0 +1,204 @@
+// Matrix products on OpenBLAS sgemm: matmul (batched) and linear, with gradients.
+#include <cblas.h>
+
+#include "dtrain/core/error.h"
+#include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/ops.h"
+
+namespace dtrain::ops {
+
+namespace {
+
+// C (M, N) = alpha * op(A) op(B) + beta * C, row-major, contiguous operands.
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b,
+          float beta, float* c) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    for (int64_t i = 0; i < m * n; ++i) c[i] = beta == 0.0f ? 0.0f : c[i] * beta;
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
+              static_cast<blasint>(ta ? m : k), b, static_cast<blasint>(tb ? k : n), beta, c,
+              static_cast<blasint>(n));
+}
+
+void check_f32(const Tensor& t, const char* op, const char* what) {
+  DT_CHECK(t.defined(), "tensor", "{}: {} is undefined", op, what);
+  DT_CHECK(t.dtype() == DType::f32, "tensor", "{}: {} is {}, expected f32", op, what, dtype_name(t.dtype()));
+}
+
+// Batched product of contiguous a (batch, M, K) and b (batch or 1, K, N), optional transposes.
+Tensor bmm_kernel(const Tensor& a, bool ta, const Tensor& b, bool tb, int64_t batch, int64_t m, int64_t n,
+                  int64_t k, bool b_shared) {
+  Tensor out = Tensor::empty({batch, m, n});
+  const float* pa = a.data();
+  const float* pb = b.data();
+  float* po = out.data();
+  for (int64_t i = 0; i < batch; ++i) {
+    gemm(ta, tb, m, n, k, 1.0f, pa + i * m * k, pb + (b_shared ? 0 : i * k * n), 0.0f, po + i * m * n);
+  }
+  return out;
+}
+
+struct MatmulBackward : Node {
+  Tensor a, b;  // contiguous (batch, M, K) and (K, N) or (batch, K, N)
+  Shape a_shape, b_shape;
+  int64_t batch, m, n, k;
+  bool b_shared;
+  std::vector<Tensor> apply(const Tensor& g_in) override {
+    Tensor g = g_in.contiguous();
+    Tensor ga, gb;
+    if (next[0]) {
+      // dA (batch, M, K) = g (batch, M, N) B^T
+      ga = Tensor::empty({batch, m, k});
+      for (int64_t i = 0; i < batch; ++i) {
+        gemm(false, true, m, k, n, 1.0f, g.data() + i * m * n, b.data() + (b_shared ? 0 : i * k * n), 0.0f,
+             ga.data() + i * m * k);
+      }
+      ga = ga.reshape(a_shape);
+    }
+    if (next[1]) {
+      if (b_shared) {
+        // dB (K, N) = A^T g with the batch folded into rows.
+        gb = Tensor::empty({k, n});
+        gemm(true, false, k, n, batch * m, 1.0f, a.data(), g.data(), 0.0f, gb.data());
+      } else {
+        gb = Tensor::empty({batch, k, n});
+        for (int64_t i = 0; i < batch; ++i) {
+          gemm(true, false, k, n, m, 1.0f, a.data() + i * m * k, g.data() + i * m * n, 0.0f, gb.data() + i * k * n);
+        }
+      }
+      gb = gb.reshape(b_shape);
+    }
+    return {ga, gb};
+  }
+  void release() override { a = b = Tensor(); }
+  const char* name() const override { return "matmul"; }
+};
+
+struct LinearBackward : Node {
+  Tensor x, w;  // x (M, in) contiguous, w (out, in)
+  Shape x_shape;
+  int64_t m, in, out;
+  std::vector<Tensor> apply(const Tensor& g_in) override {
+    Tensor g = g_in.contiguous();  // (M, out)
+    Tensor gx, gw, gb;
+    if (next[0]) {
+      gx = Tensor::empty({m, in});
+      gemm(false, false, m, in, out, 1.0f, g.data(), w.data(), 0.0f, gx.data());
+      gx = gx.reshape(x_shape);
+    }
+    if (next[1]) {
+      gw = Tensor::empty({out, in});
+      gemm(true, false, out, in, m, 1.0f, g.data(), x.data(), 0.0f, gw.data());
+    }
+    if (next.size() > 2 && next[2]) {
+      gb = Tensor::zeros({out});
+      float* pb = gb.data();
+      const float* pg = g.data();
+      for (int64_t r = 0; r < m; ++r) {
+        const float* row = pg + r * out;
+        for (int64_t j = 0; j < out; ++j) pb[j] += row[j];
+      }
+    }
+    return {gx, gw, gb};
+  }
+  void release() override { x = w = Tensor(); }
+  const char* name() const override { return "linear"; }
+};
+
+}  // namespace
+
+Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  check_f32(a_in, "matmul", "left operand");
+  check_f32(b_in, "matmul", "right operand");
+  DT_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2, "tensor", "matmul: operands need at least 2 dims, got {} and {}",
+           shape_str(a_in.shape()), shape_str(b_in.shape()));
+  const int64_t m = a_in.size(-2);
+  const int64_t k = a_in.size(-1);
+  const int64_t n = b_in.size(-1);
+  DT_CHECK(b_in.size(-2) == k, "tensor", "matmul: shapes {} and {} do not match (inner dims {} vs {})",
+           shape_str(a_in.shape()), shape_str(b_in.shape()), k, b_in.size(-2));
+  const bool b_shared = b_in.dim() == 2;
+  if (!b_shared) {
+    DT_CHECK(a_in.dim() == b_in.dim() && std::equal(a_in.shape().begin(), a_in.shape().end() - 2,
+                                                    b_in.shape().begin()),
+             "tensor", "matmul: batch dimensions of {} and {} differ", shape_str(a_in.shape()),
+             shape_str(b_in.shape()));
+  }
+  int64_t batch_dims = 1;
+  for (int64_t i = 0; i < a_in.dim() - 2; ++i) batch_dims *= a_in.shape()[i];
+  Tensor a = a_in.detach().contiguous();
+  Tensor b = b_in.detach().contiguous();
+  Tensor out = b_shared ? bmm_kernel(a, false, b, false, 1, batch_dims * m, n, k, true)
+                        : bmm_kernel(a, false, b, false, batch_dims, m, n, k, false);
+  Shape out_shape = a_in.shape();
+  out_shape.back() = n;
+  out = out.reshape(out_shape);
+  if (autograd::needs_grad({&a_in, &b_in})) {
+    auto node = std::make_shared<MatmulBackward>();
+    node->a = a;
+    node->b = b;
+    node->a_shape = a_in.shape();
+    node->b_shape = b_in.shape();
+    node->batch = b_shared ? 1 : batch_dims;
+    node->m = b_shared ? batch_dims * m : m;
+    node->n = n;
+    node->k = k;
+    node->b_shared = b_shared;
+    autograd::attach(out, node, {&a_in, &b_in});
+  }
+  return out;
+}
+
+Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
+  check_f32(x_in, "linear", "input");
+  check_f32(weight, "linear", "weight");
+  DT_CHECK(weight.dim() == 2, "tensor", "linear: weight must be (out, in), got {}", shape_str(weight.shape()));
+  DT_CHECK(x_in.dim() >= 1 && x_in.size(-1) == weight.size(1), "tensor",
+           "linear: input {} does not match weight {} (expected last dim {})", shape_str(x_in.shape()),
+           shape_str(weight.shape()), weight.size(1));
+  const int64_t in = weight.size(1);
+  const int64_t out_f = weight.size(0);
+  if (bias.defined()) {
+    check_f32(bias, "linear", "bias");
+    DT_CHECK(bias.dim() == 1 && bias.size(0) == out_f, "tensor", "linear: bias {} does not match weight {}",
+             shape_str(bias.shape()), shape_str(weight.shape()));
+  }
+  const int64_t m = in == 0 ? shape_numel(Shape(x_in.shape().begin(), x_in.shape().end() - 1)) : x_in.numel() / in;
+  Tensor x = x_in.detach().contiguous();
+  Tensor w = weight.detach().contiguous();
+  Tensor out = Tensor::empty({m, out_f});
+  float* po = out.data();
+  float beta = 0.0f;
+  if (bias.defined()) {
+    Tensor bc = bias.detach().contiguous();
+    const float* pb = bc.data();
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t j = 0; j < out_f; ++j) po[r * out_f + j] = pb[j];
+    }
+    beta = 1.0f;
+  }
+  gemm(false, true, m, out_f, in, 1.0f, x.data(), w.data(), beta, po);
+  Shape out_shape = x_in.shape();
+  out_shape.back() = out_f;
+  out = out.reshape(out_shape);
+  if (autograd::needs_grad({&x_in, &weight, &bias})) {
+    auto node = std::make_shared<LinearBackward>();
+    node->x = x;
+    node->w = w;
+    node->x_shape = x_in.shape();
+    node->m = m;
+    node->in = in;
+    node->out = out_f;
+    if (bias.defined()) {
+      autograd::attach(out, node, {&x_in, &weight, &bias});
+    } else {
+      autograd::attach(out, node, {&x_in, &weight});
+    }
+  }
+  return out;
+}
+
+}  // namespace dtrain::ops
