@@ -202,3 +202,7 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
 }
 
 }  // namespace dtrain::ops
+
+namespace dtrain {
+void set_num_threads(int threads) { openblas_set_num_threads(threads); }
+}  // namespace dtrain

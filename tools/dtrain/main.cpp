@@ -1,1 +1,55 @@
-int main() { return 0; }
+// dtrain: the command-line tool. Subcommands: train, diff, bench.
+#include <cstdio>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "dtrain/core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"dtrain: train neural networks across processes and machines"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "dtrain 0.1.0");
+
+  dtrain::train::TrainConfig train_cfg;
+  CLI::App* train = app.add_subcommand("train", "train a model (one process)");
+  dtrain::train::add_train_options(*train, train_cfg);
+
+  dtrain::tools::DiffOptions diff_opts;
+  CLI::App* diff = app.add_subcommand("diff", "compare two saved models; exit 0 when within --tol, 1 when not");
+  diff->add_option("a", diff_opts.a, "first model file")->required();
+  diff->add_option("b", diff_opts.b, "second model file")->required();
+  diff->add_option("--tol", diff_opts.tol, "relative tolerance: max|a-b| / max|a| per tensor")->capture_default_str();
+  diff->add_flag("--quiet", diff_opts.quiet, "print only the overall line");
+
+  dtrain::tools::BenchOptions bench_opts;
+  CLI::App* bench = app.add_subcommand("bench", "micro-benchmarks");
+  bench->require_subcommand(1);
+  CLI::App* gemm = bench->add_subcommand("gemm", "single-core sgemm peak (GFLOP/s), the MFU denominator");
+  gemm->add_option("--size", bench_opts.size, "matrix size N (N x N x N)")->capture_default_str();
+  gemm->add_option("--seconds", bench_opts.seconds, "time to measure per size")->capture_default_str();
+  gemm->add_option("--threads", bench_opts.threads, "BLAS threads")->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (train->parsed()) {
+      dtrain::train::apply_config_file(*train, train_cfg);
+      return dtrain::tools::run_train(train_cfg);
+    }
+    if (diff->parsed()) return dtrain::tools::run_diff(diff_opts);
+    if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
+  } catch (const dtrain::Error& e) {
+    std::fprintf(stderr, "dtrain: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain: error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -45,21 +45,31 @@ class FashionMnist : public Dataset {
 };
 
 /// A byte-level text corpus from a file, or from every regular text file in a folder (sorted by
-/// name; symbolic links and binary files, those with a NUL byte, are skipped). The corpus is
-/// split into a training part (the first 1 - val_fraction) and a validation part. Sample i is
-/// the window starting at i * seq_len: x = bytes [s, s+T), y = bytes [s+1, s+T+1).
+/// name, not recursive; symbolic links and binary files, those with a NUL byte, are skipped).
+/// The corpus is split into a training part (the first 1 - val_fraction) and a validation part;
+/// each must hold at least one window of seq_len + 1 bytes (val_fraction = 0 gives an empty
+/// validation part). Sample i of a part starting at byte b is the window starting at
+/// s = b + i * T: x = bytes [s, s+T), y = bytes [s+1, s+T+1), both (T).
+/// The splits point into the corpus, so a TextCorpus is neither copied nor moved.
 class TextCorpus {
  public:
   TextCorpus(const std::string& path, int64_t seq_len, double val_fraction = 0.1);
+  TextCorpus(const TextCorpus&) = delete;
+  TextCorpus& operator=(const TextCorpus&) = delete;
+
+  /// Bytes [begin, end) of a corpus, cut into windows of seq_len + 1 bytes.
   class Split : public Dataset {
    public:
+    Split() = default;  // empty
     Split(const std::vector<uint8_t>* bytes, int64_t begin, int64_t end, int64_t seq_len);
+    /// The number of full windows: (end - begin - 1) / seq_len.
     int64_t size() const override;
+    /// x (B, T) and y (B, T), y shifted one byte ahead of x.
     Batch get(const std::vector<int64_t>& indices) const override;
 
    private:
-    const std::vector<uint8_t>* bytes_;
-    int64_t begin_, end_, seq_len_;
+    const std::vector<uint8_t>* bytes_ = nullptr;
+    int64_t begin_ = 0, end_ = 0, seq_len_ = 1;
   };
   const Split& train() const { return train_; }
   const Split& val() const { return val_; }

@@ -59,4 +59,8 @@ Tensor causal_attention(const Tensor& qkv, int64_t n_head);
 Tensor dropout(const Tensor& a, float p, bool training, Generator& gen);
 
 }  // namespace ops
+
+/// Threads used by BLAS (and future parallel kernels) in this process.
+void set_num_threads(int threads);
+
 }  // namespace dtrain

@@ -1,0 +1,61 @@
+// Training configuration: one struct, filled from defaults, then a TOML file, then flags
+// (flags win). The option table in config.cpp is the single source for --help, the TOML
+// keys and the README.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace dtrain::train {
+
+struct TrainConfig {
+  // model
+  std::string model = "mlp";                   // mlp | gpt
+  std::vector<int64_t> hidden = {1024, 1024};  // MLP widths
+  int64_t layers = 4, heads = 4, width = 128, seq_len = 128;
+  float dropout = 0.0f;
+  // data
+  std::string data;  // fashion-mnist[:DIR] | text:PATH; empty = the model's default
+  double val_fraction = 0.1;
+  // schedule
+  int64_t steps = 0;   // total optimizer steps; 0 = use epochs
+  int64_t epochs = 0;  // 0 and steps 0 = 1 epoch
+  int64_t batch_size = 64;  // global batch
+  // optimisation
+  std::string optimizer = "adamw";  // sgd | adamw
+  float lr = 1e-3f;
+  float momentum = 0.9f;
+  float weight_decay = 0.0f;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  std::string lr_schedule = "constant";  // constant | cosine
+  int64_t warmup = 0;
+  float min_lr = 0.0f;
+  float clip_grad = 0.0f;  // 0 = off
+  // run
+  uint64_t seed = 0;
+  int threads = 1;
+  int64_t log_every = 50;
+  int64_t eval_batches = 0;  // text: validation batches (0 = whole validation split)
+  std::string metrics;     // JSON-lines file
+  std::string save;        // model file
+  std::string config_file;
+  bool progress = true;    // progress bar when stderr is a terminal
+  /// Names of the options set by a flag or the config file (the rest keep defaults).
+  std::set<std::string> given;
+};
+
+/// Registers every training option on `app` (a CLI11 subcommand) bound to `cfg`.
+void add_train_options(CLI::App& app, TrainConfig& cfg);
+/// Reads cfg.config_file (TOML) into the fields whose flags were not given on the command
+/// line. Unknown keys and values of the wrong type are errors naming the file and key.
+void apply_config_file(CLI::App& app, TrainConfig& cfg);
+/// Fills model-dependent defaults (data set) and checks ranges; throws dtrain::Error.
+void finalize(TrainConfig& cfg);
+
+}  // namespace dtrain::train

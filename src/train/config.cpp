@@ -1,0 +1,198 @@
+#include "dtrain/train/config.h"
+
+#include <fstream>
+#include <functional>
+#include <variant>
+
+#include <CLI/CLI.hpp>
+#include <toml++/toml.h>
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::train {
+
+namespace {
+
+using Target = std::variant<std::string*, int64_t*, uint64_t*, int*, float*, double*, bool*, std::vector<int64_t>*>;
+
+struct OptionSpec {
+  const char* name;  // flag without dashes; the TOML key uses the same name with '_' for '-'
+  Target target;
+  const char* help;
+};
+
+std::vector<OptionSpec> option_table(TrainConfig& c) {
+  return {
+      {"model", &c.model, "model: mlp | gpt"},
+      {"hidden", &c.hidden, "MLP hidden widths, comma separated (default 1024,1024)"},
+      {"layers", &c.layers, "GPT: transformer blocks"},
+      {"heads", &c.heads, "GPT: attention heads (must divide --width)"},
+      {"width", &c.width, "GPT: embedding width C"},
+      {"seq-len", &c.seq_len, "GPT: context length T"},
+      {"dropout", &c.dropout, "GPT: dropout probability"},
+      {"data", &c.data,
+       "data set: fashion-mnist[:DIR] (default for mlp) | text:PATH (file or folder; default for gpt: "
+       "text:/usr/share/games/fortunes)"},
+      {"val-fraction", &c.val_fraction, "text: fraction of the corpus held out for validation"},
+      {"steps", &c.steps, "optimizer steps to run (overrides --epochs)"},
+      {"epochs", &c.epochs, "passes over the training set (default 1)"},
+      {"batch-size", &c.batch_size, "global batch size in samples (split over data-parallel ranks); gpt default 16"},
+      {"optimizer", &c.optimizer, "optimizer: sgd | adamw"},
+      {"lr", &c.lr, "peak learning rate"},
+      {"momentum", &c.momentum, "SGD momentum"},
+      {"weight-decay", &c.weight_decay, "weight decay (decoupled for AdamW, L2 for SGD)"},
+      {"beta1", &c.beta1, "AdamW beta1"},
+      {"beta2", &c.beta2, "AdamW beta2"},
+      {"eps", &c.eps, "AdamW epsilon"},
+      {"lr-schedule", &c.lr_schedule, "learning-rate schedule: constant | cosine (after --warmup)"},
+      {"warmup", &c.warmup, "linear warmup steps"},
+      {"min-lr", &c.min_lr, "cosine schedule: final learning rate"},
+      {"clip-grad", &c.clip_grad, "clip gradients to this global L2 norm (0 = off)"},
+      {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
+      {"threads", &c.threads, "BLAS threads per process"},
+      {"log-every", &c.log_every, "steps between log lines and metrics records"},
+      {"eval-batches", &c.eval_batches, "text: validation batches to evaluate (0 = the whole split)"},
+      {"metrics", &c.metrics, "write JSON-lines metrics to this file"},
+      {"save", &c.save, "save the trained model to this file"},
+      {"progress", &c.progress, "progress bar on a terminal (--progress=false for plain log lines)"},
+  };
+}
+
+std::string toml_key(const char* flag) {
+  std::string k = flag;
+  for (char& ch : k) {
+    if (ch == '-') ch = '_';
+  }
+  return k;
+}
+
+template <typename T>
+T integer_value(const toml::node& node, const std::string& where) {
+  auto v = node.value_exact<int64_t>();
+  DT_CHECK(v.has_value(), "config", "{}: expected an integer", where);
+  DT_CHECK(*v >= 0 || std::is_signed_v<T>, "config", "{}: expected a non-negative integer, got {}", where, *v);
+  return static_cast<T>(*v);
+}
+
+double number_value(const toml::node& node, const std::string& where) {
+  if (auto i = node.value_exact<int64_t>()) return static_cast<double>(*i);
+  auto v = node.value_exact<double>();
+  DT_CHECK(v.has_value(), "config", "{}: expected a number", where);
+  return *v;
+}
+
+void assign(const Target& target, const toml::node& node, const std::string& where) {
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          auto v = node.value_exact<std::string>();
+          DT_CHECK(v.has_value(), "config", "{}: expected a string", where);
+          *p = *v;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          auto v = node.value_exact<bool>();
+          DT_CHECK(v.has_value(), "config", "{}: expected true or false", where);
+          *p = *v;
+        } else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+          *p = static_cast<T>(number_value(node, where));
+        } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+          const toml::array* arr = node.as_array();
+          DT_CHECK(arr != nullptr, "config", "{}: expected an array of integers such as [1024, 1024]", where);
+          p->clear();
+          for (size_t i = 0; i < arr->size(); ++i) {
+            p->push_back(integer_value<int64_t>(*arr->get(i), fmt::format("{}[{}]", where, i)));
+          }
+        } else {
+          *p = integer_value<T>(node, where);
+        }
+      },
+      target);
+}
+
+}  // namespace
+
+void add_train_options(CLI::App& app, TrainConfig& cfg) {
+  for (auto& spec : option_table(cfg)) {
+    const std::string flag = std::string("--") + spec.name;
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          CLI::Option* opt = nullptr;
+          if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+            opt = app.add_option(flag, *p, spec.help)->delimiter(',')->expected(1, 64);
+          } else if constexpr (std::is_same_v<T, bool>) {
+            opt = app.add_option(flag, *p, spec.help);
+          } else {
+            opt = app.add_option(flag, *p, spec.help);
+          }
+          opt->capture_default_str();
+        },
+        spec.target);
+  }
+  app.add_option("--config", cfg.config_file, "TOML file of options (keys as flags with '_' for '-'); flags win")
+      ->check(CLI::ExistingFile);
+}
+
+void apply_config_file(CLI::App& app, TrainConfig& cfg) {
+  for (auto& spec : option_table(cfg)) {
+    if (app.count(std::string("--") + spec.name) > 0) cfg.given.insert(spec.name);
+  }
+  if (cfg.config_file.empty()) return;
+  toml::table table;
+  try {
+    table = toml::parse_file(cfg.config_file);
+  } catch (const toml::parse_error& e) {
+    DT_THROW("config", "{}:{}:{}: {}", cfg.config_file, e.source().begin.line, e.source().begin.column,
+             e.description());
+  }
+  auto specs = option_table(cfg);
+  for (const auto& [key, node] : table) {
+    const std::string k(key.str());
+    const OptionSpec* spec = nullptr;
+    for (const auto& s : specs) {
+      if (toml_key(s.name) == k || s.name == k) spec = &s;
+    }
+    DT_CHECK(spec != nullptr, "config", "{}: unknown key '{}' (keys are the train flags, e.g. batch_size)",
+             cfg.config_file, k);
+    if (app.count(std::string("--") + spec->name) > 0) continue;  // the flag wins
+    assign(spec->target, node, fmt::format("{}: key '{}'", cfg.config_file, k));
+    cfg.given.insert(spec->name);
+  }
+}
+
+void finalize(TrainConfig& c) {
+  DT_CHECK(c.model == "mlp" || c.model == "gpt", "config", "--model '{}': expected mlp or gpt", c.model);
+  const bool gpt = c.model == "gpt";
+  if (c.data.empty()) c.data = gpt ? "text:/usr/share/games/fortunes" : "fashion-mnist";
+  if (gpt && c.given.count("batch-size") == 0) c.batch_size = 16;
+  if (gpt && c.given.count("lr") == 0) c.lr = 3e-4f;
+  DT_CHECK(c.data.rfind("fashion-mnist", 0) == 0 || c.data.rfind("text:", 0) == 0, "config",
+           "--data '{}': expected fashion-mnist[:DIR] or text:PATH", c.data);
+  DT_CHECK(!(gpt && c.data.rfind("fashion-mnist", 0) == 0), "config",
+           "--model gpt needs a text corpus (--data text:PATH), got '{}'", c.data);
+  DT_CHECK(!(!gpt && c.data.rfind("text:", 0) == 0), "config",
+           "--model mlp trains on fashion-mnist, got '{}'", c.data);
+  DT_CHECK(c.optimizer == "sgd" || c.optimizer == "adamw", "config", "--optimizer '{}': expected sgd or adamw",
+           c.optimizer);
+  DT_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "config",
+           "--lr-schedule '{}': expected constant or cosine", c.lr_schedule);
+  DT_CHECK(c.batch_size > 0, "config", "--batch-size must be positive, got {}", c.batch_size);
+  DT_CHECK(c.steps >= 0 && c.epochs >= 0, "config", "--steps {} and --epochs {} must be non-negative", c.steps,
+           c.epochs);
+  DT_CHECK(c.lr >= 0.0f, "config", "--lr must be non-negative, got {}", c.lr);
+  DT_CHECK(c.threads >= 1 && c.threads <= 256, "config", "--threads {} out of range [1, 256]", c.threads);
+  DT_CHECK(c.log_every >= 1, "config", "--log-every must be at least 1, got {}", c.log_every);
+  DT_CHECK(c.dropout >= 0.0f && c.dropout < 1.0f, "config", "--dropout {} not in [0, 1)", c.dropout);
+  DT_CHECK(c.val_fraction > 0.0 && c.val_fraction < 1.0, "config", "--val-fraction {} not in (0, 1)",
+           c.val_fraction);
+  if (gpt) {
+    DT_CHECK(c.layers > 0 && c.width > 0 && c.seq_len > 0 && c.heads > 0, "config",
+             "--layers {}, --width {}, --seq-len {}, --heads {} must be positive", c.layers, c.width, c.seq_len,
+             c.heads);
+    DT_CHECK(c.width % c.heads == 0, "config", "--width {} is not divisible by --heads {}", c.width, c.heads);
+  } else {
+    for (int64_t h : c.hidden) DT_CHECK(h > 0, "config", "--hidden width {} must be positive", h);
+  }
+}
+
+}  // namespace dtrain::train

@@ -1,0 +1,67 @@
+#include "commands.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/random.h"
+#include "dtrain/train/model_io.h"
+#include "dtrain/train/trainer.h"
+
+namespace dtrain::tools {
+
+int run_train(train::TrainConfig& cfg) {
+  train::finalize(cfg);
+  const train::TrainResult r = train::run_training(cfg);
+  if (r.test_accuracy >= 0) {
+    std::printf("final: steps %ld  train loss %.4f  test accuracy %.4f  %.1f samples/s  peak RSS %.1f MiB\n",
+                static_cast<long>(r.steps), r.final_loss, r.test_accuracy, r.samples_per_s,
+                static_cast<double>(r.peak_rss) / (1 << 20));
+  } else {
+    std::printf("final: steps %ld  train loss %.4f  val loss %.4f  %.0f tokens/s  peak RSS %.1f MiB\n",
+                static_cast<long>(r.steps), r.final_loss, r.val_loss, r.tokens_per_s,
+                static_cast<double>(r.peak_rss) / (1 << 20));
+  }
+  std::printf("params digest %s\n", r.params_digest.c_str());
+  if (!cfg.save.empty()) std::printf("saved %s\n", cfg.save.c_str());
+  return 0;
+}
+
+int run_diff(const DiffOptions& opts) {
+  const train::ModelFile a = train::load_model(opts.a);
+  const train::ModelFile b = train::load_model(opts.b);
+  const train::DiffResult d = train::diff_models(a, b);
+  if (!opts.quiet) {
+    std::printf("%-40s %14s %14s\n", "tensor", "max_abs", "rel");
+    for (const auto& t : d.tensors) std::printf("%-40s %14.6e %14.6e\n", t.name.c_str(), t.max_abs, t.rel);
+  }
+  const bool ok = d.max_rel <= opts.tol;
+  std::printf("overall: max_abs %.6e  max_rel %.6e  tol %.1e  %s\n", d.max_abs, d.max_rel, opts.tol,
+              ok ? "WITHIN" : "EXCEEDS");
+  return ok ? 0 : 1;
+}
+
+int run_bench_gemm(const BenchOptions& opts) {
+  set_num_threads(opts.threads);
+  NoGradGuard no_grad;
+  Generator gen(1);
+  const int64_t n = opts.size;
+  Tensor a = Tensor::randn({n, n}, gen);
+  Tensor b = Tensor::randn({n, n}, gen);
+  ops::matmul(a, b);  // warm up
+  int64_t iters = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double elapsed = 0.0;
+  while (elapsed < opts.seconds) {
+    ops::matmul(a, b);
+    ++iters;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const double gflops = 2.0 * static_cast<double>(n * n * n) * static_cast<double>(iters) / elapsed / 1e9;
+  std::printf("{\"op\":\"sgemm\",\"n\":%ld,\"threads\":%d,\"iters\":%ld,\"gflops\":%.2f}\n", static_cast<long>(n),
+              opts.threads, static_cast<long>(iters), gflops);
+  return 0;
+}
+
+}  // namespace dtrain::tools
