@@ -1,5 +1,7 @@
 // Data sets and the sharding sampler: the real Fashion-MNIST and fortunes files, small
 // corrupt files written here, and the sampler's sharding invariants over world sizes 1..8.
+#include "dtrain/data/data.h"
+
 #include <gtest/gtest.h>
 #include <zlib.h>
 
@@ -15,7 +17,6 @@
 #include <vector>
 
 #include "dtrain/core/error.h"
-#include "dtrain/data/data.h"
 
 using namespace dtrain;
 using namespace dtrain::data;
@@ -58,8 +59,7 @@ void write_gz(const std::string& path, const std::vector<uint8_t>& bytes) {
   gzFile f = gzopen(path.c_str(), "wb");
   ASSERT_NE(f, nullptr) << path;
   if (!bytes.empty()) {
-    ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())),
-              static_cast<int>(bytes.size()));
+    ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
   }
   ASSERT_EQ(gzclose(f), Z_OK);
 }
@@ -80,8 +80,7 @@ void put_u32(std::vector<uint8_t>& out, uint32_t v) {
 }
 
 /// An IDX images file: magic, (count, rows, cols), then `pixels` (count * rows * cols by default).
-std::vector<uint8_t> idx_images(uint32_t count, uint32_t rows = 28, uint32_t cols = 28,
-                                uint32_t magic = 2051) {
+std::vector<uint8_t> idx_images(uint32_t count, uint32_t rows = 28, uint32_t cols = 28, uint32_t magic = 2051) {
   std::vector<uint8_t> out;
   put_u32(out, magic);
   put_u32(out, count);
@@ -107,8 +106,7 @@ void expect_data_error(const std::function<void()>& fn, std::initializer_list<st
   } catch (const Error& e) {
     EXPECT_EQ(e.component(), "data") << e.what();
     for (const std::string& part : parts) {
-      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
-          << "missing \"" << part << "\" in: " << e.what();
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "missing \"" << part << "\" in: " << e.what();
     }
   }
 }
@@ -116,37 +114,38 @@ void expect_data_error(const std::function<void()>& fn, std::initializer_list<st
 // ---------------------------------------------------------------------------------------------
 // Fashion-MNIST
 
-const std::string kMnistDir = FashionMnist::kDefaultDir;
+constexpr const char* kMnistDir = FashionMnist::kDefaultDir;
 
-bool have_fashion_mnist() { return fs::exists(kMnistDir + "/train-images-idx3-ubyte.gz"); }
+std::string mnist_file(const char* name) { return std::string(kMnistDir) + "/" + name; }
+
+bool have_fashion_mnist() { return fs::exists(mnist_file("train-images-idx3-ubyte.gz")); }
 
 TEST(FashionMnistReal, LoadsTrainAndTestSets) {
-  if (!have_fashion_mnist()) GTEST_SKIP() << "scripts/install-deps installs dataset-fashion-mnist";
+  ASSERT_TRUE(have_fashion_mnist()) << "scripts/install-deps installs dataset-fashion-mnist";
   FashionMnist train(kMnistDir, true);
   FashionMnist test(kMnistDir, false);
   EXPECT_EQ(train.size(), 60000);
   EXPECT_EQ(test.size(), 10000);
 
   // The first training label, read straight from the file: byte 8 after the 8-byte header.
-  const std::vector<uint8_t> raw = read_gz(kMnistDir + "/train-labels-idx1-ubyte.gz");
+  const std::vector<uint8_t> raw = read_gz(mnist_file("train-labels-idx1-ubyte.gz"));
   ASSERT_EQ(raw.size(), 60008u);
   EXPECT_EQ(raw[8], 9);  // Fashion-MNIST's first training image is an ankle boot
   Batch b = train.get({0, 1, 59999});
   ASSERT_EQ(b.x.shape(), (Shape{3, 784}));
   ASSERT_EQ(b.y.shape(), (Shape{3}));
-  EXPECT_EQ(b.y.to_vector(), (std::vector<float>{static_cast<float>(raw[8]),
-                                                 static_cast<float>(raw[9]),
+  EXPECT_EQ(b.y.to_vector(), (std::vector<float>{static_cast<float>(raw[8]), static_cast<float>(raw[9]),
                                                  static_cast<float>(raw[8 + 59999])}));
 
   // The first image's pixels against the raw file.
-  const std::vector<uint8_t> pixels = read_gz(kMnistDir + "/train-images-idx3-ubyte.gz");
+  const std::vector<uint8_t> pixels = read_gz(mnist_file("train-images-idx3-ubyte.gz"));
   ASSERT_EQ(pixels.size(), 16u + 60000u * 784u);
   const std::vector<float> x = b.x.to_vector();
   for (int p = 0; p < 784; ++p) ASSERT_FLOAT_EQ(x[p], pixels[16 + p] / 255.0f) << p;
 }
 
 TEST(FashionMnistReal, PixelsInUnitRangeAndClassesBalanced) {
-  if (!have_fashion_mnist()) GTEST_SKIP() << "scripts/install-deps installs dataset-fashion-mnist";
+  ASSERT_TRUE(have_fashion_mnist()) << "scripts/install-deps installs dataset-fashion-mnist";
   FashionMnist test(kMnistDir, false);
   std::vector<int64_t> all(10000);
   for (int64_t i = 0; i < 10000; ++i) all[i] = i;
@@ -166,7 +165,7 @@ TEST(FashionMnistReal, PixelsInUnitRangeAndClassesBalanced) {
 }
 
 TEST(FashionMnistReal, IndexOutOfRange) {
-  if (!have_fashion_mnist()) GTEST_SKIP() << "scripts/install-deps installs dataset-fashion-mnist";
+  ASSERT_TRUE(have_fashion_mnist()) << "scripts/install-deps installs dataset-fashion-mnist";
   FashionMnist test(kMnistDir, false);
   expect_data_error([&] { test.get({10000}); }, {"index 10000 out of range [0, 10000)"});
   expect_data_error([&] { test.get({0, -1}); }, {"index -1 out of range"});
@@ -251,8 +250,7 @@ TEST_F(FashionMnistFiles, TruncatedPixels) {
 TEST_F(FashionMnistFiles, TruncatedHeader) {
   write_gz(images(), {0, 0, 8, 3, 0, 0});
   write_gz(labels(), idx_labels({1}));
-  expect_data_error([&] { FashionMnist(dir(), true); },
-                    {images(), "truncated: expected a 16-byte IDX header, got 6"});
+  expect_data_error([&] { FashionMnist(dir(), true); }, {images(), "truncated: expected a 16-byte IDX header, got 6"});
 }
 
 TEST_F(FashionMnistFiles, TruncatedGzipStream) {
@@ -265,8 +263,7 @@ TEST_F(FashionMnistFiles, TruncatedGzipStream) {
   gz.resize(gz.size() / 2);
   write_file(images(), gz);
   write_gz(labels(), idx_labels(std::vector<uint8_t>(50, 1)));
-  expect_data_error([&] { FashionMnist(dir(), true); },
-                    {images(), "truncated: expected 39200 bytes of pixels"});
+  expect_data_error([&] { FashionMnist(dir(), true); }, {images(), "truncated: expected 39200 bytes of pixels"});
 }
 
 TEST_F(FashionMnistFiles, TruncatedLabels) {
@@ -274,8 +271,7 @@ TEST_F(FashionMnistFiles, TruncatedLabels) {
   std::vector<uint8_t> lab = idx_labels({1, 2, 3});
   lab.pop_back();
   write_gz(labels(), lab);
-  expect_data_error([&] { FashionMnist(dir(), true); },
-                    {labels(), "truncated: expected 3 bytes of labels, got 2"});
+  expect_data_error([&] { FashionMnist(dir(), true); }, {labels(), "truncated: expected 3 bytes of labels, got 2"});
 }
 
 TEST_F(FashionMnistFiles, TrailingData) {
@@ -296,8 +292,7 @@ TEST_F(FashionMnistFiles, LabelCountMismatch) {
 TEST_F(FashionMnistFiles, LabelOutOfRange) {
   write_gz(images(), idx_images(3));
   write_gz(labels(), idx_labels({1, 10, 3}));
-  expect_data_error([&] { FashionMnist(dir(), true); },
-                    {labels(), "label 10 at index 1 is not a class in [0, 10)"});
+  expect_data_error([&] { FashionMnist(dir(), true); }, {labels(), "label 10 at index 1 is not a class in [0, 10)"});
 }
 
 TEST_F(FashionMnistFiles, FolderInPlaceOfFile) {
@@ -335,8 +330,8 @@ TEST(TextCorpusFolder, SkipsBinaryFilesSymlinksAndSubfolders) {
 
   // 84 bytes: training part [0, 63), validation part [63, 84).
   const int64_t split = 63;
-  EXPECT_EQ(corpus.train().size(), (split - 1) / 4);       // 15
-  EXPECT_EQ(corpus.val().size(), (84 - split - 1) / 4);    // 5
+  EXPECT_EQ(corpus.train().size(), (split - 1) / 4);     // 15
+  EXPECT_EQ(corpus.val().size(), (84 - split - 1) / 4);  // 5
 
   Batch tb = corpus.train().get({0, 14, 1});
   ASSERT_EQ(tb.x.shape(), (Shape{3, 4}));
@@ -395,8 +390,10 @@ TEST(TextCorpusErrors, MissingEmptyAndTooSmall) {
   // 20 bytes, val_fraction 0.1: 18 + 2 bytes; seq_len 4 needs 5 in each part.
   write_file(dir / "small.txt", std::string(20, 'x'));
   expect_data_error([&] { TextCorpus(dir / "small.txt", 4, 0.1); },
-                    {dir / "small.txt", "corpus too small: 20 bytes split into 18 training and 2 "
-                                        "validation bytes", "seq_len + 1 = 5 bytes"});
+                    {dir / "small.txt",
+                     "corpus too small: 20 bytes split into 18 training and 2 "
+                     "validation bytes",
+                     "seq_len + 1 = 5 bytes"});
   // A training part too small: 20 bytes, seq_len 19 -> 10 + 10 bytes.
   expect_data_error([&] { TextCorpus(dir / "small.txt", 19, 0.5); },
                     {"10 training and 10 validation bytes", "seq_len + 1 = 20"});
@@ -408,7 +405,7 @@ TEST(TextCorpusErrors, MissingEmptyAndTooSmall) {
 
 TEST(TextCorpusReal, Fortunes) {
   const std::string path = "/usr/share/games/fortunes";
-  if (!fs::is_directory(path)) GTEST_SKIP() << "scripts/install-deps installs fortunes";
+  ASSERT_TRUE(fs::is_directory(path)) << "scripts/install-deps installs fortunes";
   // Expected: the regular files that are not .dat indexes (the only binary ones there).
   int64_t bytes = 0, files = 0;
   for (const auto& e : fs::directory_iterator(path)) {
@@ -462,8 +459,7 @@ TEST_P(ShardedSamplerTest, ShardsAreDisjointAndEqual) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ShardedSamplerTest,
-                         ::testing::Combine(::testing::Range(1, 9),
-                                            ::testing::Values<int64_t>(0, 1, 7, 13, 64, 1000),
+                         ::testing::Combine(::testing::Range(1, 9), ::testing::Values<int64_t>(0, 1, 7, 13, 64, 1000),
                                             ::testing::Bool()));
 
 TEST(ShardedSampler, ShuffleDependsOnSeedAndEpoch) {

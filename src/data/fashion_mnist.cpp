@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dtrain/core/error.h"
@@ -36,9 +37,8 @@ class IdxReader {
     file_.reset(gzopen(path_.c_str(), "rb"));
     if (!file_) {
       const int err = errno;
-      DT_THROW("data",
-               "{}: cannot open: {} (scripts/install-deps installs dataset-fashion-mnist)",
-               path_, err != 0 ? std::strerror(err) : "out of memory");
+      DT_THROW("data", "{}: cannot open: {} (scripts/install-deps installs dataset-fashion-mnist)", path_,
+               err != 0 ? std::strerror(err) : "out of memory");
     }
   }
 
@@ -68,8 +68,8 @@ class IdxReader {
       const uint8_t* p = buf.data() + 4 * i;
       words[i] = (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
     }
-    DT_CHECK(words[0] == magic, "data", "{}: bad magic {} (0x{:08x}): expected {} for IDX {}",
-             path_, words[0], words[0], magic, kind);
+    DT_CHECK(words[0] == magic, "data", "{}: bad magic {} (0x{:08x}): expected {} for IDX {}", path_, words[0],
+             words[0], magic, kind);
     return {words.begin() + 1, words.end()};
   }
 
@@ -86,8 +86,7 @@ class IdxReader {
       if (r < step) throw_truncated(fmt::format("{} bytes of {}", n, what), got);
     }
     uint8_t extra = 0;
-    DT_CHECK(read(&extra, 1) == 0, "data", "{}: unexpected data after {} bytes of {}", path_, n,
-             what);
+    DT_CHECK(read(&extra, 1) == 0, "data", "{}: unexpected data after {} bytes of {}", path_, n, what);
     return out;
   }
 
@@ -96,7 +95,10 @@ class IdxReader {
     int code = Z_OK;
     const char* msg = gzerror(file_.get(), &code);
     if (code == Z_ERRNO) DT_THROW("data", "{}: read failed: {}", path_, std::strerror(errno));
-    DT_THROW("data", "{}: corrupt gzip data: {}", path_, msg);
+    // zlib prefixes its message with the path.
+    std::string_view what = msg != nullptr ? msg : "unknown error";
+    if (what.starts_with(path_ + ": ")) what.remove_prefix(path_.size() + 2);
+    DT_THROW("data", "{}: corrupt gzip data: {}", path_, what);
   }
 
   [[noreturn]] void throw_truncated(const std::string& expected, int64_t got) {
@@ -118,19 +120,19 @@ FashionMnist::FashionMnist(const std::string& dir, bool train) {
 
   IdxReader images(prefix + "-images-idx3-ubyte.gz");
   const std::vector<uint32_t> dims = images.header(kImagesMagic, 3, "images");
-  DT_CHECK(dims[1] == kSide && dims[2] == kSide, "data",
-           "{}: images are {}x{}, expected {}x{}", images.path(), dims[1], dims[2], kSide, kSide);
+  DT_CHECK(dims[1] == kSide && dims[2] == kSide, "data", "{}: images are {}x{}, expected {}x{}", images.path(), dims[1],
+           dims[2], kSide, kSide);
   count_ = dims[0];
   images_ = images.body(count_ * kPixels, "pixels");
 
   IdxReader labels(prefix + "-labels-idx1-ubyte.gz");
   const int64_t num_labels = labels.header(kLabelsMagic, 1, "labels")[0];
-  DT_CHECK(num_labels == count_, "data", "{}: label count mismatch: {} labels for {} images in {}",
-           labels.path(), num_labels, count_, images.path());
+  DT_CHECK(num_labels == count_, "data", "{}: label count mismatch: {} labels for {} images in {}", labels.path(),
+           num_labels, count_, images.path());
   labels_ = labels.body(count_, "labels");
   for (int64_t i = 0; i < count_; ++i) {
-    DT_CHECK(labels_[i] < kClasses, "data", "{}: label {} at index {} is not a class in [0, {})",
-             labels.path(), labels_[i], i, kClasses);
+    DT_CHECK(labels_[i] < kClasses, "data", "{}: label {} at index {} is not a class in [0, {})", labels.path(),
+             labels_[i], i, kClasses);
   }
 }
 
@@ -142,8 +144,7 @@ Batch FashionMnist::get(const std::vector<int64_t>& indices) const {
   float* yp = y.data();
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t i = indices[b];
-    DT_CHECK(i >= 0 && i < count_, "data", "FashionMnist::get: index {} out of range [0, {})", i,
-             count_);
+    DT_CHECK(i >= 0 && i < count_, "data", "FashionMnist::get: index {} out of range [0, {})", i, count_);
     const uint8_t* src = images_.data() + i * kPixels;
     for (int64_t p = 0; p < kPixels; ++p) xp[b * kPixels + p] = static_cast<float>(src[p]) / 255.0f;
     yp[b] = labels_[i];

@@ -13,8 +13,7 @@ ShardedSampler::ShardedSampler(int64_t size, int rank, int world, uint64_t seed,
     : size_(size), rank_(rank), world_(world), seed_(seed), shuffle_(shuffle) {
   DT_CHECK(size >= 0, "data", "ShardedSampler: size must be >= 0, got {}", size);
   DT_CHECK(world >= 1, "data", "ShardedSampler: world must be >= 1, got {}", world);
-  DT_CHECK(rank >= 0 && rank < world, "data", "ShardedSampler: rank {} out of range [0, {})",
-           rank, world);
+  DT_CHECK(rank >= 0 && rank < world, "data", "ShardedSampler: rank {} out of range [0, {})", rank, world);
 }
 
 int64_t ShardedSampler::per_rank() const { return size_ / world_; }

@@ -35,8 +35,7 @@ std::vector<uint8_t> read_file(const fs::path& path) {
   uint8_t buf[1 << 16];
   size_t n = 0;
   while ((n = std::fread(buf, 1, sizeof(buf), file.get())) > 0) out.insert(out.end(), buf, buf + n);
-  DT_CHECK(!std::ferror(file.get()), "data", "{}: read failed: {}", path.string(),
-           std::strerror(errno));
+  DT_CHECK(!std::ferror(file.get()), "data", "{}: read failed: {}", path.string(), std::strerror(errno));
   return out;
 }
 
@@ -44,8 +43,8 @@ std::vector<uint8_t> read_file(const fs::path& path) {
 
 TextCorpus::TextCorpus(const std::string& path, int64_t seq_len, double val_fraction) {
   DT_CHECK(seq_len >= 1, "data", "TextCorpus: seq_len must be >= 1, got {}", seq_len);
-  DT_CHECK(val_fraction >= 0.0 && val_fraction < 1.0, "data",
-           "TextCorpus: val_fraction must be in [0, 1), got {}", val_fraction);
+  DT_CHECK(val_fraction >= 0.0 && val_fraction < 1.0, "data", "TextCorpus: val_fraction must be in [0, 1), got {}",
+           val_fraction);
 
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
@@ -76,8 +75,8 @@ TextCorpus::TextCorpus(const std::string& path, int64_t seq_len, double val_frac
     bytes_ = read_file(path);
     num_files_ = 1;
   }
-  DT_CHECK(!bytes_.empty(), "data", "{}: empty corpus ({} text files, {} binary files skipped)",
-           path, num_files_, num_binary);
+  DT_CHECK(!bytes_.empty(), "data", "{}: empty corpus ({} text files, {} binary files skipped)", path, num_files_,
+           num_binary);
 
   const auto total = static_cast<int64_t>(bytes_.size());
   const auto split = static_cast<int64_t>(std::floor(static_cast<double>(total) * (1.0 - val_fraction)));
@@ -89,14 +88,12 @@ TextCorpus::TextCorpus(const std::string& path, int64_t seq_len, double val_frac
            path, total, split, total - split, val_fraction, seq_len + 1);
 }
 
-TextCorpus::Split::Split(const std::vector<uint8_t>* bytes, int64_t begin, int64_t end,
-                         int64_t seq_len)
+TextCorpus::Split::Split(const std::vector<uint8_t>* bytes, int64_t begin, int64_t end, int64_t seq_len)
     : bytes_(bytes), begin_(begin), end_(end), seq_len_(seq_len) {
   DT_CHECK(bytes != nullptr, "data", "TextCorpus::Split: null byte buffer");
   DT_CHECK(seq_len >= 1, "data", "TextCorpus::Split: seq_len must be >= 1, got {}", seq_len);
   DT_CHECK(0 <= begin && begin <= end && end <= static_cast<int64_t>(bytes->size()), "data",
-           "TextCorpus::Split: range [{}, {}) outside a corpus of {} bytes", begin, end,
-           bytes->size());
+           "TextCorpus::Split: range [{}, {}) outside a corpus of {} bytes", begin, end, bytes->size());
 }
 
 int64_t TextCorpus::Split::size() const {
@@ -113,8 +110,7 @@ Batch TextCorpus::Split::get(const std::vector<int64_t>& indices) const {
   float* yp = y.data();
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t i = indices[b];
-    DT_CHECK(i >= 0 && i < n, "data", "TextCorpus::Split::get: index {} out of range [0, {})", i,
-             n);
+    DT_CHECK(i >= 0 && i < n, "data", "TextCorpus::Split::get: index {} out of range [0, {})", i, n);
     const uint8_t* window = bytes_->data() + begin_ + i * seq_len_;
     for (int64_t t = 0; t < seq_len_; ++t) {
       xp[b * seq_len_ + t] = window[t];

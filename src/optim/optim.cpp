@@ -75,17 +75,17 @@ void AdamW::step() {
     const float bc1 = 1.0f - std::pow(beta1_, static_cast<float>(t));
     const float bc2 = 1.0f - std::pow(beta2_, static_cast<float>(t));
     const float step_size = lr_ / bc1;
-    const float bc2_sqrt = std::sqrt(bc2);
+    const float inv_bc2_sqrt = 1.0f / std::sqrt(bc2);
     const float decay = 1.0f - lr_ * weight_decay_;
-    float* p = params_[i].data();
-    const float* pg = g.data();
-    float* m = exp_avg_[i].data();
-    float* v = exp_avg_sq_[i].data();
+    float* __restrict p = params_[i].data();
+    const float* __restrict pg = g.data();
+    float* __restrict m = exp_avg_[i].data();
+    float* __restrict v = exp_avg_sq_[i].data();
     for (int64_t j = 0, n = params_[i].numel(); j < n; ++j) {
       p[j] *= decay;
       m[j] = beta1_ * m[j] + (1.0f - beta1_) * pg[j];
       v[j] = beta2_ * v[j] + (1.0f - beta2_) * pg[j] * pg[j];
-      p[j] -= step_size * m[j] / (std::sqrt(v[j]) / bc2_sqrt + eps_);
+      p[j] -= step_size * m[j] / (std::sqrt(v[j]) * inv_bc2_sqrt + eps_);
     }
   }
 }

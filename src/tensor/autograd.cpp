@@ -31,10 +31,18 @@ struct AccumulateGrad : Node {
              shape_str(param.shape()));
     Tensor existing = param.grad();
     if (!existing.defined()) {
-      // Own a contiguous buffer: the incoming gradient may alias another tensor.
-      Tensor own = Tensor::empty(g.shape());
-      own.copy_from(g);
-      param.set_grad(own);
+      // The gradient must own a contiguous buffer. A fresh result nobody else references
+      // (the usual case: a gemm output) is adopted as is; anything that may alias another
+      // tensor is copied.
+      const bool exclusive = g.impl_ptr().use_count() == 1 && g.impl()->storage.use_count() == 1 &&
+                             g.impl()->offset == 0 && g.is_contiguous() && !g.requires_grad();
+      if (exclusive) {
+        param.set_grad(g);
+      } else {
+        Tensor own = Tensor::empty(g.shape());
+        own.copy_from(g);
+        param.set_grad(own);
+      }
     } else {
       Tensor gc = g.contiguous();
       float* dst = existing.data();
@@ -148,7 +156,7 @@ void run_backward(const Tensor& root) {
       if (!nx) continue;
       if (i < input_grads.size() && input_grads[i].defined()) {
         Tensor& slot = pending[nx.get()];
-        slot = slot.defined() ? ops::add(slot, input_grads[i]) : input_grads[i];
+        slot = slot.defined() ? ops::add(slot, input_grads[i]) : std::move(input_grads[i]);
       }
       if (--dependencies[nx.get()] == 0) ready.push({priority(nx.get()), nx});
     }

@@ -75,7 +75,9 @@ struct AttentionBackward : Node {
 }  // namespace
 
 Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
-  DT_CHECK(qkv_in.defined() && qkv_in.dtype() == DType::f32, "tensor", "causal_attention: qkv must be f32");
+  DT_CHECK(qkv_in.defined(), "tensor", "causal_attention: qkv is undefined");
+  DT_CHECK(qkv_in.dtype() == DType::f32, "tensor", "causal_attention: qkv {} is {}, expected f32",
+           shape_str(qkv_in.shape()), dtype_name(qkv_in.dtype()));
   DT_CHECK(qkv_in.dim() == 3 && qkv_in.size(2) % 3 == 0, "tensor",
            "causal_attention: qkv must be (B, T, 3C), got {}", shape_str(qkv_in.shape()));
   const int64_t B = qkv_in.size(0), T = qkv_in.size(1), C = qkv_in.size(2) / 3;

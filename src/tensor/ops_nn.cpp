@@ -180,7 +180,9 @@ struct DropoutBackward : Node {
 
 // Integer ids stored as f32; every id must be a whole number in [0, limit).
 std::vector<int32_t> read_ids(const Tensor& ids, int64_t limit, const char* op) {
-  DT_CHECK(ids.defined() && ids.dtype() == DType::f32, "tensor", "{}: ids must be a defined f32 tensor", op);
+  DT_CHECK(ids.defined(), "tensor", "{}: ids are undefined", op);
+  DT_CHECK(ids.dtype() == DType::f32, "tensor", "{}: ids {} are {}, expected f32", op, shape_str(ids.shape()),
+           dtype_name(ids.dtype()));
   std::vector<float> v = ids.to_vector();
   std::vector<int32_t> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) {

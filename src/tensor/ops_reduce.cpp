@@ -83,7 +83,9 @@ struct SumBackward : Node {
 
 Tensor reduce(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim, bool is_mean) {
   const char* op = is_mean ? "mean" : "sum";
-  DT_CHECK(a.defined() && a.dtype() == DType::f32, "tensor", "{}: expected a defined f32 tensor", op);
+  DT_CHECK(a.defined(), "tensor", "{}: undefined input", op);
+  DT_CHECK(a.dtype() == DType::f32, "tensor", "{}: input {} is {}, expected f32", op, shape_str(a.shape()),
+           dtype_name(a.dtype()));
   const std::vector<bool> mask = reduced_mask(a, dims, op);
   Tensor kept = sum_kernel(a, mask);
   int64_t count = 1;

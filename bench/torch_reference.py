@@ -1,0 +1,299 @@
+#!/usr/bin/python3
+"""PyTorch reference for `dtrain train` (single process): the same models, data and optimizer.
+
+Run with Debian's PyTorch (/usr/bin/python3, python3-torch 1.13), e.g.
+
+    OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+      /usr/bin/python3 bench/torch_reference.py --model gpt --steps 100 --eval-batches 10
+
+Prints ONE JSON line shaped like dtrain's {"event":"final", ...} metrics record.
+`--model gemm` instead measures PyTorch's own sgemm rate (n x n, float32) for comparison with
+`dtrain bench gemm`.
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+FORTUNES_DIR = "/usr/share/games/fortunes"
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def read_idx(path):
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def load_fashion(directory):
+    # Pixels stay uint8 (as torchvision keeps them); a batch is scaled to [0, 1] when drawn.
+    def images(name):
+        a = read_idx(os.path.join(directory, name))
+        return torch.from_numpy(a.reshape(a.shape[0], -1).copy())
+
+    def labels(name):
+        return torch.from_numpy(read_idx(os.path.join(directory, name)).astype(np.int64))
+
+    return (images("train-images-idx3-ubyte.gz"), labels("train-labels-idx1-ubyte.gz"),
+            images("t10k-images-idx3-ubyte.gz"), labels("t10k-labels-idx1-ubyte.gz"))
+
+
+def load_corpus(directory, val_fraction=0.1):
+    """Every regular file (no symlinks, no file holding a NUL byte), sorted by name, as bytes."""
+    chunks = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        if b"\0" in data:
+            continue
+        chunks.append(data)
+    data = b"".join(chunks)
+    split = int(math.floor(len(data) * (1.0 - val_fraction)))
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return t, (0, split), (split, len(data))
+
+
+class TextSplit:
+    def __init__(self, data, begin, end, seq_len):
+        self.data, self.begin, self.seq_len = data, begin, seq_len
+        self.size = max(0, (end - begin - 1) // seq_len)
+        self.offsets = torch.arange(seq_len + 1)
+
+    def get(self, indices):
+        starts = self.begin + torch.as_tensor(indices, dtype=torch.int64) * self.seq_len
+        w = self.data[starts[:, None] + self.offsets].long()
+        return w[:, :-1], w[:, 1:]
+
+
+# --------------------------------------------------------------------------------------- models
+
+class MLP(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        dims = [784] + hidden + [10]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = F.relu(x)
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, C, H, L):
+        super().__init__()
+        self.H = H
+        self.ln1 = nn.LayerNorm(C, eps=1e-5)
+        self.qkv = nn.Linear(C, 3 * C)
+        self.proj = nn.Linear(C, C)
+        self.ln2 = nn.LayerNorm(C, eps=1e-5)
+        self.fc = nn.Linear(C, 4 * C)
+        self.fc_proj = nn.Linear(4 * C, C)
+        for lin in (self.qkv, self.fc):
+            nn.init.normal_(lin.weight, 0.0, 0.02)
+        for lin in (self.proj, self.fc_proj):
+            nn.init.normal_(lin.weight, 0.0, 0.02 / math.sqrt(2 * L))
+        for lin in (self.qkv, self.proj, self.fc, self.fc_proj):
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x, mask):
+        B, T, C = x.shape
+        hd = C // self.H
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q = q.view(B, T, self.H, hd).transpose(1, 2)
+        k = k.view(B, T, self.H, hd).transpose(1, 2)
+        v = v.view(B, T, self.H, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(mask[:T, :T], float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.proj(y)
+        x = x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, L, H, C, T, vocab=256):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, C)
+        self.wpe = nn.Embedding(T, C)
+        nn.init.normal_(self.wte.weight, 0.0, 0.02)
+        nn.init.normal_(self.wpe.weight, 0.0, 0.02)
+        self.blocks = nn.ModuleList(Block(C, H, L) for _ in range(L))
+        self.ln_f = nn.LayerNorm(C, eps=1e-5)
+        self.lm_head = nn.Linear(C, vocab, bias=False)
+        nn.init.normal_(self.lm_head.weight, 0.0, 0.02)
+        # True above the diagonal = masked (future positions).
+        self.register_buffer("mask", torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1),
+                             persistent=False)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T))
+        for block in self.blocks:
+            x = block(x, self.mask)
+        return self.lm_head(self.ln_f(x))
+
+    def non_embedding_params(self):
+        return sum(p.numel() for n, p in self.named_parameters() if not n.startswith(("wte.", "wpe.")))
+
+
+def gpt_loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+# ------------------------------------------------------------------------------------- training
+
+def peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train(args, model, num_train, get_batch, loss_fn, tokens_per_sample):
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    steps_per_epoch = num_train // args.batch_size
+    if steps_per_epoch < 1:
+        sys.exit(f"--batch-size {args.batch_size} is larger than the training set ({num_train})")
+    model.train()
+    losses = []
+    train_time = 0.0
+    perm = None
+    for step in range(args.steps):
+        if step % steps_per_epoch == 0:
+            perm = torch.randperm(num_train, generator=gen)
+        pos = (step % steps_per_epoch) * args.batch_size
+        t0 = time.perf_counter()
+        x, y = get_batch(perm[pos:pos + args.batch_size])
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_time += time.perf_counter() - t0
+        val = loss.item()
+        if not math.isfinite(val):
+            sys.exit(f"loss is {val} at step {step + 1}: training diverged")
+        losses.append(val)
+    tail = losses[-50:]
+    samples_per_s = args.steps * args.batch_size / train_time
+    out = {"event": "final", "impl": "torch", "torch_version": torch.__version__,
+           "threads": torch.get_num_threads(), "steps": args.steps, "batch_size": args.batch_size,
+           "train_loss": sum(tail) / len(tail), "train_time_s": train_time,
+           "samples_per_s": samples_per_s,
+           "params": sum(p.numel() for p in model.parameters())}
+    if tokens_per_sample:
+        out["tokens_per_s"] = samples_per_s * tokens_per_sample
+    return out
+
+
+def run_mlp(args):
+    xtr, ytr, xte, yte = load_fashion(args.data_dir or FASHION_DIR)
+    torch.manual_seed(args.seed)
+    model = MLP(args.hidden)
+    out = train(args, model, xtr.shape[0], lambda i: (xtr[i].float().div_(255.0), ytr[i]), F.cross_entropy, 0)
+    out["model"] = "mlp"
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for b in range(0, xte.shape[0], 1000):
+            x = xte[b:b + 1000].float().div_(255.0)
+            correct += (model(x).argmax(-1) == yte[b:b + 1000]).sum().item()
+    out["test_accuracy"] = correct / xte.shape[0]
+    return out
+
+
+def run_gpt(args):
+    data, (tb, te), (vb, ve) = load_corpus(args.data_dir or FORTUNES_DIR, args.val_fraction)
+    T = args.seq_len
+    train_split, val_split = TextSplit(data, tb, te, T), TextSplit(data, vb, ve, T)
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.heads, args.width, T)
+    out = train(args, model, train_split.size, train_split.get, gpt_loss, T)
+    out["model"] = "gpt"
+    out["non_embedding_params"] = model.non_embedding_params()
+    # Validation: the first E*B windows in order (all when E = 0), sample-weighted mean loss.
+    model.eval()
+    B = args.batch_size
+    n = val_split.size
+    batches = (n + B - 1) // B
+    if args.eval_batches > 0:
+        batches = min(batches, args.eval_batches)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in range(batches):
+            idx = list(range(b * B, min(n, (b + 1) * B)))
+            x, y = val_split.get(idx)
+            total += gpt_loss(model(x), y).item() * len(idx)
+            count += len(idx)
+    out["val_loss"] = total / count if count else 0.0
+    out["val_samples"] = count
+    return out
+
+
+def run_gemm(args):
+    n = args.size
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.empty(n, n)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b, out=c)
+        iters += 1
+        dt = time.perf_counter() - t0
+        if dt > 1.0:
+            break
+    return {"op": "sgemm", "impl": "torch", "n": n, "threads": torch.get_num_threads(),
+            "iters": iters, "gflops": 2.0 * n ** 3 * iters / dt / 1e9}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["mlp", "gpt", "gemm"], default="mlp")
+    p.add_argument("--hidden", default="1024,1024", help="MLP hidden widths")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=None, help="default 64 (mlp), 16 (gpt)")
+    p.add_argument("--optimizer", choices=["adamw"], default="adamw")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 (mlp), 3e-4 (gpt)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-batches", type=int, default=0, help="gpt: validation batches (0 = all)")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--size", type=int, default=512, help="gemm: matrix size")
+    args = p.parse_args()
+    args.hidden = [int(h) for h in args.hidden.split(",") if h]
+    if args.batch_size is None:
+        args.batch_size = 16 if args.model == "gpt" else 64
+    if args.lr is None:
+        args.lr = 3e-4 if args.model == "gpt" else 1e-3
+    torch.set_num_threads(args.threads)
+    out = {"mlp": run_mlp, "gpt": run_gpt, "gemm": run_gemm}[args.model](args)
+    out["peak_rss_bytes"] = peak_rss_bytes()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+// End-to-end tests of the dtrain tool: real processes, real data, small jobs.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct ProcessResult {
+  int code;
+  std::string output;  // stdout and stderr
+};
+
+// Runs the dtrain binary with a hard time limit so a hang fails the test instead of CI.
+ProcessResult dtrain(const std::string& args, int limit_s = 240) {
+  const std::string cmd =
+      "timeout -k 5 " + std::to_string(limit_s) + " " + std::string(DTRAIN_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  EXPECT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (fgets(buf.data(), buf.size(), p) != nullptr) out += buf.data();
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/dtrain-cli-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  void write(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
+  nlohmann::json final_record(const std::string& metrics) const {
+    std::ifstream in(path(metrics));
+    std::string line, last;
+    while (std::getline(in, line)) last = line;
+    return nlohmann::json::parse(last);
+  }
+  // A small English text corpus for GPT tests.
+  std::string corpus() const {
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    write("corpus.txt", text);
+    return path("corpus.txt");
+  }
+  fs::path dir_;
+};
+
+const char* kSmallMlp = "train --model mlp --hidden 64 --batch-size 32 --steps 60 --progress=false --log-every 20";
+
+TEST_F(Cli, MlpTrainsAndWritesMetricsAndModel) {
+  ProcessResult r = dtrain(std::string(kSmallMlp) + " --metrics " + path("m.jsonl") + " --save " + path("a.dtm"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("test accuracy"), std::string::npos) << r.output;
+  nlohmann::json f = final_record("m.jsonl");
+  EXPECT_EQ(f["event"], "final");
+  EXPECT_EQ(f["steps"], 60);
+  EXPECT_GT(f["test_accuracy"].get<double>(), 0.5);  // chance is 0.1
+  EXPECT_GT(f["samples_per_s"].get<double>(), 0.0);
+  EXPECT_GT(f["peak_rss_bytes"].get<int64_t>(), 1 << 20);
+  EXPECT_EQ(f["params_digest"].get<std::string>().size(), 64u);
+  EXPECT_TRUE(fs::exists(path("a.dtm")));
+}
+
+TEST_F(Cli, SameSeedIsBitwiseReproducibleAndDiffSaysSo) {
+  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --seed 3 --save " + path("a.dtm") + " --metrics " + path("a.jsonl")).code, 0);
+  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --seed 3 --save " + path("b.dtm") + " --metrics " + path("b.jsonl")).code, 0);
+  EXPECT_EQ(final_record("a.jsonl")["params_digest"], final_record("b.jsonl")["params_digest"]);
+  ProcessResult same = dtrain("diff " + path("a.dtm") + " " + path("b.dtm"));
+  EXPECT_EQ(same.code, 0) << same.output;
+  EXPECT_NE(same.output.find("max_rel 0.000000e+00"), std::string::npos) << same.output;
+
+  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --seed 4 --save " + path("c.dtm")).code, 0);
+  ProcessResult differ = dtrain("diff " + path("a.dtm") + " " + path("c.dtm"));
+  EXPECT_EQ(differ.code, 1) << differ.output;
+  EXPECT_NE(differ.output.find("EXCEEDS"), std::string::npos);
+  EXPECT_EQ(dtrain("diff --tol 1e9 " + path("a.dtm") + " " + path("c.dtm")).code, 0);
+}
+
+TEST_F(Cli, GptTrainsOnTextAndLossFalls) {
+  const std::string c = corpus();
+  ProcessResult r = dtrain("train --model gpt --data text:" + c +
+                 " --layers 2 --heads 2 --width 32 --seq-len 32 --batch-size 8 --lr 3e-3 --steps 80"
+                 " --progress=false --log-every 20 --metrics " + path("g.jsonl"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream in(path("g.jsonl"));
+  std::string line;
+  std::vector<double> losses;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == "log") losses.push_back(j["loss"].get<double>());
+  }
+  ASSERT_EQ(losses.size(), 4u);
+  EXPECT_LT(losses.back(), losses.front() * 0.7) << "loss did not fall: " << losses.front() << " -> " << losses.back();
+  nlohmann::json f = final_record("g.jsonl");
+  EXPECT_GT(f["tokens_per_s"].get<double>(), 0.0);
+  EXPECT_LT(f["val_loss"].get<double>(), 5.545);  // ln(256): better than uniform
+}
+
+TEST_F(Cli, ConfigFileCombinesWithFlagsAndFlagsWin) {
+  write("c.toml", "model = \"mlp\"\nhidden = [32]\nbatch_size = 16\nsteps = 7\nlog_every = 7\nprogress = false\n");
+  ProcessResult r = dtrain("train --config " + path("c.toml") + " --steps 5 --metrics " + path("m.jsonl"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  nlohmann::json f = final_record("m.jsonl");
+  EXPECT_EQ(f["steps"], 5);
+  EXPECT_EQ(f["batch_size"], 16);
+  EXPECT_EQ(f["params"], 784 * 32 + 32 + 32 * 10 + 10);
+}
+
+// Bad input: a clear message and a non-zero exit, never a crash or a hang.
+struct BadInput {
+  const char* name;
+  std::string args;
+  std::string expected;  // substring of the message
+};
+
+TEST_F(Cli, BadInputGetsClearErrors) {
+  write("bad-type.toml", "batch_size = \"big\"\n");
+  write("bad-key.toml", "batchsize = 3\n");
+  write("bad-syntax.toml", "batch_size = = 3\n");
+  write("empty.txt", "");
+  fs::create_directory(path("badmnist"));
+  for (const char* f : {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                        "t10k-labels-idx1-ubyte.gz"}) {
+    write("badmnist/" + std::string(f), "this is not gzip'd IDX data");
+  }
+  const std::vector<BadInput> cases = {
+      {"unknown model", "train --model resnet", "expected mlp or gpt"},
+      {"unknown flag", "train --bogus 3", "bogus"},
+      {"missing data dir", "train --data fashion-mnist:" + path("nowhere"), "nowhere"},
+      {"corrupt data files", "train --data fashion-mnist:" + path("badmnist"), "train-images-idx3-ubyte.gz"},
+      {"missing text", "train --model gpt --data text:" + path("none.txt"), "none.txt"},
+      {"empty corpus", "train --model gpt --data text:" + path("empty.txt"), "empty.txt"},
+      {"malformed value", "train --batch-size abc", "batch-size"},
+      {"negative batch", "train --batch-size -4", "batch-size"},
+      {"heads do not divide width", "train --model gpt --width 30 --heads 4", "not divisible"},
+      {"config wrong type", "train --config " + path("bad-type.toml"), "batch_size"},
+      {"config unknown key", "train --config " + path("bad-key.toml"), "unknown key 'batchsize'"},
+      {"config syntax", "train --config " + path("bad-syntax.toml"), "bad-syntax.toml:1"},
+      {"diff missing file", "diff " + path("x.dtm") + " " + path("y.dtm"), "cannot open"},
+  };
+  for (const auto& c : cases) {
+    ProcessResult r = dtrain(c.args, 60);
+    EXPECT_NE(r.code, 0) << c.name << ": " << r.output;
+    EXPECT_NE(r.code, -1) << c.name << " crashed or hung: " << r.output;
+    EXPECT_LT(r.code, 128) << c.name << " died by a signal: " << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.name << ": '" << c.expected << "' not in: " << r.output;
+  }
+}
+
+TEST_F(Cli, CorruptedModelFileIsRefused) {
+  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --steps 2 --save " + path("a.dtm")).code, 0);
+  std::string bytes;
+  {
+    std::ifstream in(path("a.dtm"), std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  std::string flipped = bytes;
+  flipped[flipped.size() / 2] ^= 0x40;
+  std::ofstream(path("flipped.dtm"), std::ios::binary) << flipped;
+  std::ofstream(path("short.dtm"), std::ios::binary) << bytes.substr(0, bytes.size() / 3);
+  std::ofstream(path("foreign.dtm"), std::ios::binary) << "GIF89a this is not a model at all, padded to be long enough";
+
+  ProcessResult r1 = dtrain("diff " + path("a.dtm") + " " + path("flipped.dtm"));
+  EXPECT_EQ(r1.code, 2) << r1.output;
+  EXPECT_NE(r1.output.find("checksum mismatch"), std::string::npos) << r1.output;
+  ProcessResult r2 = dtrain("diff " + path("a.dtm") + " " + path("short.dtm"));
+  EXPECT_EQ(r2.code, 2) << r2.output;
+  EXPECT_NE(r2.output.find("short.dtm"), std::string::npos) << r2.output;
+  ProcessResult r3 = dtrain("diff " + path("foreign.dtm") + " " + path("a.dtm"));
+  EXPECT_EQ(r3.code, 2) << r3.output;
+  EXPECT_NE(r3.output.find("not a dtrain model file"), std::string::npos) << r3.output;
+}
+
+}  // namespace
