@@ -161,7 +161,7 @@ TEST_F(Cli, BadInputGetsClearErrors) {
 }
 
 TEST_F(Cli, CorruptedModelFileIsRefused) {
-  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --steps 2 --save " + path("a.dtm")).code, 0);
+  ASSERT_EQ(dtrain("train --model mlp --hidden 16 --batch-size 8 --steps 2 --progress=false --save " + path("a.dtm")).code, 0);
   std::string bytes;
   {
     std::ifstream in(path("a.dtm"), std::ios::binary);

@@ -9,6 +9,7 @@
 // time, with L accumulated in double from the f32 outputs.
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,8 +18,6 @@
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
@@ -84,9 +83,8 @@ inline ::testing::AssertionResult gradcheck(const OpFn& f, const std::vector<Ten
     Tensor& x = inputs[i];
     const Tensor g = x.grad();
     if (g.defined() && g.shape() != x.shape()) {
-      return ::testing::AssertionFailure()
-             << "input " << i << ": gradient shape " << shape_str(g.shape()) << " != input shape "
-             << shape_str(x.shape());
+      return ::testing::AssertionFailure() << "input " << i << ": gradient shape " << shape_str(g.shape())
+                                           << " != input shape " << shape_str(x.shape());
     }
     const std::vector<float> analytic =
         g.defined() ? g.to_vector() : std::vector<float>(static_cast<size_t>(x.numel()), 0.0f);
@@ -117,8 +115,8 @@ inline ::testing::AssertionResult gradcheck(const OpFn& f, const std::vector<Ten
     }
   }
   if (n_fail > 0) {
-    return ::testing::AssertionFailure() << n_fail << " gradient element(s) differ (worst error/allowed "
-                                         << worst << "):" << failures;
+    return ::testing::AssertionFailure() << n_fail << " gradient element(s) differ (worst error/allowed " << worst
+                                         << "):" << failures;
   }
   return ::testing::AssertionSuccess();
 }

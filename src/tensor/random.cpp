@@ -1,6 +1,8 @@
 #include "dtrain/tensor/random.h"
 
 #include <cmath>
+#include <iomanip>
+#include <limits>
 #include <sstream>
 
 #include "dtrain/core/error.h"
@@ -37,7 +39,9 @@ float Generator::normal() {
 
 std::string Generator::state() const {
   std::ostringstream os;
-  os << engine_ << ' ' << (has_spare_ ? 1 : 0) << ' ' << spare_;
+  // max_digits10 so that the spare normal survives the text round trip bit for bit.
+  os << std::setprecision(std::numeric_limits<float>::max_digits10) << engine_ << ' ' << (has_spare_ ? 1 : 0) << ' '
+     << spare_;
   return os.str();
 }
 

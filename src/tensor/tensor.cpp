@@ -380,6 +380,11 @@ void Tensor::set_grad(const Tensor& grad) {
   if (grad.defined()) {
     DT_CHECK(grad.shape() == shape(), "autograd", "set_grad: gradient {} for tensor {}", shape_str(grad.shape()),
              shape_str(shape()));
+    // Accumulation and the optimizers walk gradients linearly, so a strided view is copied.
+    if (!grad.is_contiguous()) {
+      checked(impl_).grad = grad.detach().contiguous().impl_ptr();
+      return;
+    }
   }
   checked(impl_).grad = grad.impl_ptr();
 }

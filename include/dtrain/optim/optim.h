@@ -62,7 +62,7 @@ class AdamW : public Optimizer {
   std::vector<int64_t> steps_;
 };
 
-/// Linear warmup from 0 to base_lr over `warmup` steps, then cosine decay to min_lr at
+/// Linear warmup (step s gets base_lr * (s + 1) / warmup) over `warmup` steps, then cosine decay to min_lr at
 /// `total` steps (constant min_lr after). warmup = 0 and min_lr = base_lr gives a constant.
 struct LrSchedule {
   float base_lr = 1e-3f;
