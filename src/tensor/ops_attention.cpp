@@ -15,6 +15,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
+#include "fast_math.h"
 
 namespace dtrain::ops {
 
@@ -105,11 +106,9 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
         float* row = p + i * T;
         float mx = -INFINITY;
         for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
+        for (int64_t j = 0; j <= i; ++j) row[j] = detail::fast_exp(row[j] - mx);
         float sum = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
+        for (int64_t j = 0; j <= i; ++j) sum += row[j];
         const float inv = 1.0f / sum;
         for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
         for (int64_t j = i + 1; j < T; ++j) row[j] = 0.0f;

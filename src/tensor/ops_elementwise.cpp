@@ -4,6 +4,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
+#include "fast_math.h"
 #include "strided.h"
 
 namespace dtrain::ops {
@@ -257,11 +258,11 @@ Tensor relu(const Tensor& a) {
 Tensor gelu(const Tensor& a) {
   auto f = [](float x) {
     const float u = kGeluC * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + std::tanh(u));
+    return 0.5f * x * (1.0f + detail::fast_tanh(u));
   };
   auto df = [](float x) {
     const float u = kGeluC * (x + 0.044715f * x * x * x);
-    const float t = std::tanh(u);
+    const float t = detail::fast_tanh(u);
     const float du = kGeluC * (1.0f + 3.0f * 0.044715f * x * x);
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
   };

@@ -42,6 +42,12 @@ int run_diff(const DiffOptions& opts) {
   return ok ? 0 : 1;
 }
 
+int run_launch(const launch::LaunchOptions& opts) {
+  const launch::LaunchResult r = launch::run_launch(opts);
+  if (r.exit_code != 0) std::fprintf(stderr, "dtrain launch: job failed:\n%s", r.report.c_str());
+  return r.exit_code;
+}
+
 int run_bench_gemm(const BenchOptions& opts) {
   set_num_threads(opts.threads);
   NoGradGuard no_grad;

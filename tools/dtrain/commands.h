@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "dtrain/launch/launcher.h"
 #include "dtrain/train/config.h"
 
 namespace dtrain::tools {
@@ -22,5 +23,6 @@ struct BenchOptions {
 int run_train(train::TrainConfig& cfg);
 int run_diff(const DiffOptions& opts);
 int run_bench_gemm(const BenchOptions& opts);
+int run_launch(const launch::LaunchOptions& opts);
 
 }  // namespace dtrain::tools

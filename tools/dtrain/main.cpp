@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "dtrain/launch/launcher.h"
 #include "dtrain/core/error.h"
 
 int main(int argc, char** argv) {
@@ -23,6 +24,19 @@ int main(int argc, char** argv) {
   diff->add_option("b", diff_opts.b, "second model file")->required();
   diff->add_option("--tol", diff_opts.tol, "relative tolerance: max|a-b| / max|a| per tensor")->capture_default_str();
   diff->add_flag("--quiet", diff_opts.quiet, "print only the overall line");
+
+  dtrain::launch::LaunchOptions launch_opts;
+  CLI::App* launch = app.add_subcommand("launch", "start N local workers of a job: dtrain launch -n N -- PROGRAM ARGS...");
+  launch->add_option("-n,--nproc-per-node", launch_opts.nproc_per_node, "workers on this node")->capture_default_str();
+  launch->add_option("--nnodes", launch_opts.nnodes, "nodes in the job")->capture_default_str();
+  launch->add_option("--node-rank", launch_opts.node_rank, "this node's index (node 0 hosts the store)")
+      ->capture_default_str();
+  launch->add_option("--master-addr", launch_opts.master_addr, "address of node 0's store")->capture_default_str();
+  launch->add_option("--master-port", launch_opts.master_port, "port of the store (0: any free port, one node only)")
+      ->capture_default_str();
+  launch->add_option("--grace", launch_opts.grace_seconds, "seconds between SIGTERM and SIGKILL when stopping workers")
+      ->capture_default_str();
+  launch->add_option("command", launch_opts.command, "PROGRAM ARGS... (after --)")->required();
 
   dtrain::tools::BenchOptions bench_opts;
   CLI::App* bench = app.add_subcommand("bench", "micro-benchmarks");
@@ -43,6 +57,7 @@ int main(int argc, char** argv) {
       return dtrain::tools::run_train(train_cfg);
     }
     if (diff->parsed()) return dtrain::tools::run_diff(diff_opts);
+    if (launch->parsed()) return dtrain::tools::run_launch(launch_opts);
     if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());

@@ -1,0 +1,102 @@
+// Process groups and their collectives.
+//
+// A Group is a cheap handle (copyable, shared) over a backend. Every collective exists in a
+// blocking form and an asynchronous form (suffix _async) that returns a Work. Ordering: the
+// asynchronous operations of one group run one at a time in the order they were issued, on
+// the group's progress thread; blocking calls are queued behind them. Every rank must issue
+// the same collectives on a group in the same order.
+//
+// Buffers: counts are elements of `dtype`; send and recv may be the same pointer (in place)
+// except where noted. Buffers passed to an _async call must stay valid until its Work
+// completed.
+//
+// Failure: a call that cannot complete within the timeout, or whose peer died or reported
+// an error, raises CommError naming the operation, its sequence number on this group and
+// the peers that did not arrive. After a failure the group is broken: later calls raise at
+// once. An error on one rank aborts the transport, so its peers raise instead of waiting.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/plan.h"
+#include "dtrain/comm/store.h"
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm {
+
+struct GroupOptions {
+  Duration timeout = std::chrono::minutes(5);  // default for blocking calls and Work::wait()
+  std::string transport = "auto";              // auto | shm | tcp
+  Algorithm algorithm = Algorithm::automatic;  // overrides the per-size choice (also DTRAIN_ALGO)
+};
+
+class Work {
+ public:
+  Work() = default;
+  /// True when the operation finished; rethrows its error if it failed.
+  bool test();
+  /// Waits up to `timeout` (the group's default when zero); throws CommError on timeout or failure.
+  void wait(Duration timeout = Duration::zero());
+  struct State;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class Group {
+ public:
+  /// Joins group `name` as `rank` of `size` through `store` (all ranks call this).
+  static Group create(std::shared_ptr<Store> store, int rank, int size, GroupOptions options = {},
+                      const std::string& name = "world");
+  /// Joins the world described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+  /// MASTER_PORT, DTRAIN_SECRET); throws dtrain::Error naming a missing or malformed variable.
+  static Group from_env(GroupOptions options = {});
+
+  Group() = default;
+  int rank() const;
+  int size() const;
+  const std::string& transport_kind() const;
+  /// Collective: ranks with the same color form a sub-group ordered by (key, rank). A
+  /// negative color returns an empty Group (size 0) for that rank.
+  Group split(int color, int key) const;
+
+  void all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op);
+  /// send holds size() * recv_count elements; rank r receives block r reduced.
+  void reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op);
+  void reduce_scatter_v(const void* send, void* recv, const std::vector<size_t>& counts, DataType dtype, ReduceOp op);
+  /// recv holds size() * send_count elements, rank r's block at r * send_count.
+  void all_gather(const void* send, void* recv, size_t send_count, DataType dtype);
+  void all_gather_v(const void* send, void* recv, const std::vector<size_t>& counts, DataType dtype);
+  void broadcast(void* buffer, size_t count, DataType dtype, int root);
+  void reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root);
+  /// recv (root only) holds size() * count elements.
+  void gather(const void* send, void* recv, size_t count, DataType dtype, int root);
+  /// send (root only) holds size() * count elements.
+  void scatter(const void* send, void* recv, size_t count, DataType dtype, int root);
+  /// Block j of send (count elements each) goes to rank j, landing in its block rank(). Not in place.
+  void all_to_all(const void* send, void* recv, size_t count, DataType dtype);
+  void barrier();
+  /// Point to point: messages between two ranks are received in the order they were sent;
+  /// a receive whose tag or count differs from the next message fails naming both.
+  void send(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
+  void recv(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
+
+  Work all_reduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op);
+  Work reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op);
+  Work all_gather_async(const void* send, void* recv, size_t send_count, DataType dtype);
+  Work broadcast_async(void* buffer, size_t count, DataType dtype, int root);
+  Work send_async(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
+  Work recv_async(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
+
+  struct Impl;
+
+ private:
+  explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace dtrain::comm

@@ -1,0 +1,77 @@
+// Point-to-point transport between the ranks of one group: the only thing algorithms talk to.
+//
+// Semantics: between an ordered pair (src -> dst) messages form one FIFO stream. post_send
+// and post_recv return immediately; wait() drives progress on all the listed requests (in the
+// calling thread) until they complete. Receives from one peer match that peer's sends in
+// order; each message carries a tag and a byte count, and a receive whose tag or size differs
+// from the message that arrives fails with an error naming both (this is how mismatched
+// collectives are detected instead of silently corrupting data).
+//
+// Waits never hang: wait() throws TransportError when the deadline passes (naming the peers
+// whose requests are still pending), when a peer died (its process is gone or its connection
+// closed), or when abort() was called on this or a peer's transport.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm {
+
+class TransportError : public Error {
+ public:
+  enum class Kind { timeout, peer_dead, aborted, protocol };
+  TransportError(Kind kind, std::vector<int> peers, const std::string& message, const char* file, int line)
+      : Error("comm", message, file, line), kind_(kind), peers_(std::move(peers)) {}
+  Kind kind() const { return kind_; }
+  const std::vector<int>& peers() const { return peers_; }
+
+ private:
+  Kind kind_;
+  std::vector<int> peers_;
+};
+
+using RequestId = uint64_t;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// "shm", "tcp", ... for messages and benchmarks.
+  virtual const char* kind() const = 0;
+
+  /// Queues a message of `bytes` bytes to `peer`. `data` must stay valid until a wait()
+  /// covering this request returned.
+  virtual RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) = 0;
+  /// Queues the receive of the next message from `peer` into `data`.
+  virtual RequestId post_recv(int peer, uint64_t tag, void* data, size_t bytes) = 0;
+  /// Drives progress until all `requests` completed; throws TransportError (see above).
+  virtual void wait(const std::vector<RequestId>& requests, Deadline deadline) = 0;
+  /// Fails every current and future wait on this transport and, where the medium allows,
+  /// on the peers' transports too (shm: a shared abort flag; tcp: closing connections).
+  virtual void abort(const std::string& reason) = 0;
+};
+
+class Store;
+
+/// Shared-memory transport between processes (or threads) on one host. Rank 0 creates a
+/// segment named after `prefix` and publishes its name in `store`; the others map it. The
+/// segment is unlinked as soon as every rank mapped it, so nothing is left in /dev/shm even
+/// after a crash. Waits spin briefly, then sleep on a futex. A peer whose process is gone is
+/// reported as dead.
+std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& prefix, int rank, int size,
+                                              Duration timeout);
+
+/// TCP transport: one connection per pair (lower rank connects to higher), TCP_NODELAY,
+/// non-blocking sockets driven by poll(), authenticated with `secret` (HMAC-SHA256).
+/// Each rank listens on `bind_address` and publishes its address in `store`.
+std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& prefix, int rank, int size,
+                                              const std::string& secret, const std::string& bind_address,
+                                              Duration timeout);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,409 @@
+// Group: a handle over a transport, a progress thread that runs the group's operations in
+// issue order, and the error handling that turns any failure into a CommError on every rank.
+#include "dtrain/comm/group.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "dtrain/comm/plan.h"
+#include "dtrain/comm/transport.h"
+
+namespace dtrain::comm {
+
+// ---------------------------------------------------------------------------------- Work
+
+struct Work::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::string op;
+  uint64_t seq = 0;
+  Duration default_timeout{0};
+  std::function<void(const std::string&)> on_abandon;  // aborts the group when a wait gives up
+
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+      error = std::move(e);
+    }
+    cv.notify_all();
+  }
+};
+
+bool Work::test() {
+  DT_CHECK(state_ != nullptr, "comm", "test() on an empty Work");
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (state_->done && state_->error) std::rethrow_exception(state_->error);
+  return state_->done;
+}
+
+void Work::wait(Duration timeout) {
+  DT_CHECK(state_ != nullptr, "comm", "wait() on an empty Work");
+  if (timeout == Duration::zero()) timeout = state_->default_timeout;
+  std::unique_lock<std::mutex> lock(state_->mu);
+  if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) {
+    // Give up: break the group so the operation stops touching the caller's buffers, then
+    // wait for it to acknowledge (the transport's waits wake up on abort).
+    const std::string reason = fmt::format("{} #{} not complete after {} ms", state_->op, state_->seq, timeout.count());
+    lock.unlock();
+    if (state_->on_abandon) state_->on_abandon(reason);
+    lock.lock();
+    state_->cv.wait_for(lock, std::chrono::seconds(10), [&] { return state_->done; });
+    throw CommError(state_->op, state_->seq, {}, fmt::format("not complete after {} ms", timeout.count()), __FILE__,
+                    __LINE__);
+  }
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+// ---------------------------------------------------------------------------------- Impl
+
+struct Group::Impl {
+  int rank = 0;
+  int size = 0;
+  std::string name;
+  GroupOptions options;
+  std::shared_ptr<Store> store;
+  std::shared_ptr<void> keep_alive;  // e.g. the store server hosted by rank 0
+  std::unique_ptr<Transport> transport;
+  std::string kind;
+  uint64_t splits = 0;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> queue;
+  bool stopping = false;
+  std::thread worker;
+  uint64_t collective_seq = 0;  // identical on every rank: all ranks issue the same collectives
+  uint64_t p2p_seq = 0;
+  std::exception_ptr broken;
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stopping = true;
+    }
+    cv.notify_all();
+    if (worker.joinable()) worker.join();
+  }
+
+  void run() {
+    while (true) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;  // stopping and drained
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      task();
+    }
+  }
+
+  void abort(const std::string& reason) {
+    if (transport) transport->abort(reason);
+  }
+
+  // Queues `body` and returns its Work. body(seq, deadline) runs on the progress thread.
+  Work submit(const std::string& op, bool collective, std::function<void(uint64_t, Deadline)> body) {
+    auto state = std::make_shared<Work::State>();
+    state->op = op;
+    state->default_timeout = options.timeout;
+    state->on_abandon = [this](const std::string& reason) { abort(reason); };
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      state->seq = collective ? collective_seq++ : p2p_seq++;
+      const uint64_t seq = state->seq;
+      queue.emplace_back([this, state, seq, op, body = std::move(body)] {
+        if (broken) {
+          try {
+            std::rethrow_exception(broken);
+          } catch (const std::exception& e) {
+            state->finish(std::make_exception_ptr(
+                CommError(op, seq, {}, fmt::format("group '{}' is broken by an earlier failure: {}", name, e.what()),
+                          __FILE__, __LINE__)));
+          }
+          return;
+        }
+        try {
+          body(seq, deadline_after(options.timeout));
+          state->finish(nullptr);
+        } catch (const TransportError& e) {
+          auto err = std::make_exception_ptr(CommError(op, seq, e.peers(), e.message(), __FILE__, __LINE__));
+          broken = err;
+          if (e.kind() != TransportError::Kind::aborted) abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.message()));
+          state->finish(err);
+        } catch (const std::exception& e) {
+          auto err = std::make_exception_ptr(CommError(op, seq, {}, e.what(), __FILE__, __LINE__));
+          broken = err;
+          abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.what()));
+          state->finish(err);
+        }
+      });
+    }
+    cv.notify_all();
+    return Work(state);
+  }
+
+  Algorithm algorithm_for(size_t bytes) const {
+    return options.algorithm == Algorithm::automatic ? choose_all_reduce(bytes, size) : options.algorithm;
+  }
+
+  Work run_plan(const std::string& op, Plan plan, const void* in, void* out, DataType dtype, ReduceOp rop) {
+    return submit(op, true, [this, plan = std::move(plan), in, out, dtype, rop](uint64_t seq, Deadline deadline) {
+      execute(plan, *transport, in, out, dtype, rop, seq << 20, deadline);
+    });
+  }
+};
+
+namespace {
+
+std::string host_identity() {
+  if (const char* id = std::getenv("DTRAIN_HOST_ID")) return id;
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return std::string(host) + "/" + boot;
+}
+
+int env_int(const char* var) {
+  const char* v = std::getenv(var);
+  DT_CHECK(v != nullptr && *v != '\0', "comm", "environment variable {} is not set (start ranks with dtrain launch)", var);
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  DT_CHECK(end != v && *end == '\0' && x >= 0 && x < (1L << 30), "comm", "environment variable {}='{}' is not a valid integer",
+           var, v);
+  return static_cast<int>(x);
+}
+
+void check_root(int root, int size, const char* op) {
+  DT_CHECK(root >= 0 && root < size, "comm", "{}: root {} out of range for a group of {}", op, root, size);
+}
+
+}  // namespace
+
+Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptions options, const std::string& name) {
+  DT_CHECK(store != nullptr, "comm", "Group::create: no store");
+  DT_CHECK(size >= 1 && rank >= 0 && rank < size, "comm", "Group::create: rank {} of size {}", rank, size);
+  if (options.algorithm == Algorithm::automatic) {
+    if (const char* a = std::getenv("DTRAIN_ALGO")) options.algorithm = parse_algorithm(a);
+  }
+  auto impl = std::make_shared<Impl>();
+  impl->rank = rank;
+  impl->size = size;
+  impl->name = name;
+  impl->options = options;
+  impl->store = store;
+
+  // Which transport: shared memory when every rank runs on this host.
+  const std::string me = host_identity();
+  store->set(fmt::format("{}/host/{}", name, rank), me);
+  bool same_host = true;
+  for (int r = 0; r < size; ++r) {
+    if (store->get(fmt::format("{}/host/{}", name, r), options.timeout) != me) same_host = false;
+  }
+  std::string kind = options.transport;
+  if (kind == "auto") kind = same_host ? "shm" : "tcp";
+  DT_CHECK(kind == "shm" || kind == "tcp", "comm", "transport '{}': expected auto, shm or tcp", options.transport);
+  DT_CHECK(!(kind == "shm" && !same_host), "comm", "group '{}': transport shm needs every rank on one host", name);
+  DT_CHECK(kind == "shm", "comm", "group '{}': ranks span several hosts but the TCP transport is not available yet",
+           name);
+  impl->transport = make_shm_transport(*store, name, rank, size, options.timeout);
+  impl->kind = impl->transport->kind();
+  impl->worker = std::thread([raw = impl.get()] { raw->run(); });
+  return Group(impl);
+}
+
+Group Group::from_env(GroupOptions options) {
+  const int rank = env_int("RANK");
+  const int size = env_int("WORLD_SIZE");
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* secret = std::getenv("DTRAIN_SECRET");
+  DT_CHECK(addr != nullptr && *addr != '\0', "comm", "environment variable MASTER_ADDR is not set");
+  DT_CHECK(secret != nullptr && *secret != '\0', "comm", "environment variable DTRAIN_SECRET is not set");
+  const int port = env_int("MASTER_PORT");
+  DT_CHECK(port > 0 && port < 65536, "comm", "MASTER_PORT {} out of range", port);
+  std::shared_ptr<void> server;
+  const char* hosted = std::getenv("DTRAIN_STORE_HOSTED");
+  if (rank == 0 && (hosted == nullptr || std::string(hosted) != "1")) {
+    server = std::make_shared<TcpStoreServer>(addr, static_cast<uint16_t>(port), secret);
+  }
+  auto store = connect_tcp_store(addr, static_cast<uint16_t>(port), secret, options.timeout);
+  Group g = create(store, rank, size, options);
+  g.impl_->keep_alive = server;
+  return g;
+}
+
+int Group::rank() const { return impl_ ? impl_->rank : -1; }
+int Group::size() const { return impl_ ? impl_->size : 0; }
+const std::string& Group::transport_kind() const {
+  static const std::string none = "none";
+  return impl_ ? impl_->kind : none;
+}
+
+Group Group::split(int color, int key) const {
+  DT_CHECK(impl_ != nullptr, "comm", "split on an empty group");
+  const int n = size();
+  std::vector<int32_t> mine = {color, key};
+  std::vector<int32_t> all(static_cast<size_t>(2 * n));
+  const_cast<Group*>(this)->all_gather(mine.data(), all.data(), 2, DataType::i32);
+  const uint64_t split_id = impl_->splits++;
+  if (color < 0) return Group();
+  std::vector<std::pair<std::pair<int, int>, int>> members;  // ((key, rank), rank)
+  for (int r = 0; r < n; ++r) {
+    if (all[2 * r] == color) members.push_back({{all[2 * r + 1], r}, r});
+  }
+  std::sort(members.begin(), members.end());
+  int new_rank = -1;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i].second == rank()) new_rank = static_cast<int>(i);
+  }
+  return create(impl_->store, new_rank, static_cast<int>(members.size()), impl_->options,
+                fmt::format("{}/split{}/color{}", impl_->name, split_id, color));
+}
+
+// ---------------------------------------------------------------------------------- collectives
+
+Work Group::all_reduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
+  DT_CHECK(impl_ != nullptr, "comm", "all_reduce on an empty group");
+  Plan plan = plan_all_reduce(impl_->algorithm_for(count * size_of(dtype)), rank(), size(), count);
+  return impl_->run_plan("all_reduce", std::move(plan), send, recv, dtype, op);
+}
+
+Work Group::reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) {
+  DT_CHECK(impl_ != nullptr, "comm", "reduce_scatter on an empty group");
+  std::vector<size_t> counts(static_cast<size_t>(size()), recv_count);
+  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
+  return impl_->run_plan("reduce_scatter", plan_reduce_scatter(a, rank(), size(), counts), send, recv, dtype, op);
+}
+
+Work Group::all_gather_async(const void* send, void* recv, size_t send_count, DataType dtype) {
+  DT_CHECK(impl_ != nullptr, "comm", "all_gather on an empty group");
+  std::vector<size_t> counts(static_cast<size_t>(size()), send_count);
+  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
+  return impl_->run_plan("all_gather", plan_all_gather(a, rank(), size(), counts), send, recv, dtype, ReduceOp::sum);
+}
+
+Work Group::broadcast_async(void* buffer, size_t count, DataType dtype, int root) {
+  DT_CHECK(impl_ != nullptr, "comm", "broadcast on an empty group");
+  check_root(root, size(), "broadcast");
+  return impl_->run_plan("broadcast", plan_broadcast(Algorithm::binomial, rank(), size(), count, root), buffer,
+                         buffer, dtype, ReduceOp::sum);
+}
+
+Work Group::send_async(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
+  DT_CHECK(impl_ != nullptr, "comm", "send on an empty group");
+  DT_CHECK(peer >= 0 && peer < size() && peer != rank(), "comm", "send: peer {} invalid for rank {} of {}", peer,
+           rank(), size());
+  const size_t bytes = count * size_of(dtype);
+  return impl_->submit("send", false, [this, buffer, bytes, peer, tag](uint64_t, Deadline deadline) {
+    Transport& t = *impl_->transport;
+    t.wait({t.post_send(peer, (uint64_t{1} << 63) | tag, buffer, bytes)}, deadline);
+  });
+}
+
+Work Group::recv_async(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
+  DT_CHECK(impl_ != nullptr, "comm", "recv on an empty group");
+  DT_CHECK(peer >= 0 && peer < size() && peer != rank(), "comm", "recv: peer {} invalid for rank {} of {}", peer,
+           rank(), size());
+  const size_t bytes = count * size_of(dtype);
+  return impl_->submit("recv", false, [this, buffer, bytes, peer, tag](uint64_t, Deadline deadline) {
+    Transport& t = *impl_->transport;
+    t.wait({t.post_recv(peer, (uint64_t{1} << 63) | tag, buffer, bytes)}, deadline);
+  });
+}
+
+void Group::all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
+  all_reduce_async(send, recv, count, dtype, op).wait();
+}
+
+void Group::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) {
+  reduce_scatter_async(send, recv, recv_count, dtype, op).wait();
+}
+
+void Group::reduce_scatter_v(const void* send, void* recv, const std::vector<size_t>& counts, DataType dtype,
+                             ReduceOp op) {
+  DT_CHECK(impl_ != nullptr, "comm", "reduce_scatter_v on an empty group");
+  DT_CHECK(counts.size() == static_cast<size_t>(size()), "comm", "reduce_scatter_v: {} counts for a group of {}",
+           counts.size(), size());
+  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
+  impl_->run_plan("reduce_scatter_v", plan_reduce_scatter(a, rank(), size(), counts), send, recv, dtype, op).wait();
+}
+
+void Group::all_gather(const void* send, void* recv, size_t send_count, DataType dtype) {
+  all_gather_async(send, recv, send_count, dtype).wait();
+}
+
+void Group::all_gather_v(const void* send, void* recv, const std::vector<size_t>& counts, DataType dtype) {
+  DT_CHECK(impl_ != nullptr, "comm", "all_gather_v on an empty group");
+  DT_CHECK(counts.size() == static_cast<size_t>(size()), "comm", "all_gather_v: {} counts for a group of {}",
+           counts.size(), size());
+  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
+  impl_->run_plan("all_gather_v", plan_all_gather(a, rank(), size(), counts), send, recv, dtype, ReduceOp::sum)
+      .wait();
+}
+
+void Group::broadcast(void* buffer, size_t count, DataType dtype, int root) {
+  broadcast_async(buffer, count, dtype, root).wait();
+}
+
+void Group::reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) {
+  DT_CHECK(impl_ != nullptr, "comm", "reduce on an empty group");
+  check_root(root, size(), "reduce");
+  impl_->run_plan("reduce", plan_reduce(Algorithm::binomial, rank(), size(), count, root), send, recv, dtype, op)
+      .wait();
+}
+
+void Group::gather(const void* send, void* recv, size_t count, DataType dtype, int root) {
+  DT_CHECK(impl_ != nullptr, "comm", "gather on an empty group");
+  check_root(root, size(), "gather");
+  std::vector<size_t> counts(static_cast<size_t>(size()), count);
+  impl_->run_plan("gather", plan_gather(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype,
+                  ReduceOp::sum)
+      .wait();
+}
+
+void Group::scatter(const void* send, void* recv, size_t count, DataType dtype, int root) {
+  DT_CHECK(impl_ != nullptr, "comm", "scatter on an empty group");
+  check_root(root, size(), "scatter");
+  std::vector<size_t> counts(static_cast<size_t>(size()), count);
+  impl_->run_plan("scatter", plan_scatter(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype,
+                  ReduceOp::sum)
+      .wait();
+}
+
+void Group::all_to_all(const void* send, void* recv, size_t count, DataType dtype) {
+  DT_CHECK(impl_ != nullptr, "comm", "all_to_all on an empty group");
+  DT_CHECK(send != recv || count == 0 || size() == 1, "comm", "all_to_all cannot run in place");
+  impl_->run_plan("all_to_all", plan_all_to_all(Algorithm::pairwise, rank(), size(), count), send, recv, dtype,
+                  ReduceOp::sum)
+      .wait();
+}
+
+void Group::barrier() {
+  DT_CHECK(impl_ != nullptr, "comm", "barrier on an empty group");
+  impl_->run_plan("barrier", plan_barrier(rank(), size()), nullptr, nullptr, DataType::u8, ReduceOp::sum).wait();
+}
+
+void Group::send(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
+  send_async(buffer, count, dtype, peer, tag).wait();
+}
+
+void Group::recv(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
+  recv_async(buffer, count, dtype, peer, tag).wait();
+}
+
+}  // namespace dtrain::comm

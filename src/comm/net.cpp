@@ -1,0 +1,563 @@
+#include "net.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "dtrain/comm/store.h"
+
+namespace dtrain::comm::net {
+
+namespace {
+
+[[noreturn]] void throw_sys(const char* syscall, int err, const std::string& what) {
+  const auto kind = (err == ECONNRESET || err == EPIPE) ? NetError::Kind::closed : NetError::Kind::system;
+  throw NetError(kind, syscall, err, fmt::format("{}: {}: {}", what, syscall, std::strerror(err)), __FILE__, __LINE__);
+}
+
+int remaining_ms(Deadline deadline) {
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  if (left <= 0) return 0;
+  return left > 1'000'000'000 ? 1'000'000'000 : static_cast<int>(left);
+}
+
+struct AddrInfo {
+  addrinfo* head = nullptr;
+  ~AddrInfo() {
+    if (head != nullptr) freeaddrinfo(head);
+  }
+};
+
+void resolve(const std::string& host, uint16_t port, bool passive, AddrInfo& out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  const std::string service = std::to_string(port);
+  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &out.head);
+  if (rc != 0) {
+    const int err = rc == EAI_SYSTEM ? errno : 0;
+    throw NetError(NetError::Kind::system, "getaddrinfo", err,
+                   fmt::format("cannot resolve '{}': {}", host, gai_strerror(rc)), __FILE__, __LINE__);
+  }
+}
+
+std::string address_name(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (sa->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+  } else if (sa->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
+    port = ntohs(in6->sin6_port);
+  } else {
+    return "?";
+  }
+  return endpoint(host, port);
+}
+
+}  // namespace
+
+void Fd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+std::string endpoint(const std::string& host, uint16_t port) {
+  if (host.find(':') != std::string::npos) return fmt::format("[{}]:{}", host, port);
+  return fmt::format("{}:{}", host, port);
+}
+
+Fd listen_tcp(const std::string& address, uint16_t port, int backlog) {
+  const std::string host = address.empty() ? "127.0.0.1" : address;
+  const std::string where = fmt::format("cannot listen on {}", endpoint(host, port));
+  AddrInfo ai;
+  resolve(host, port, /*passive=*/true, ai);
+  int last_err = 0;
+  const char* last_call = "socket";
+  for (addrinfo* a = ai.head; a != nullptr; a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol));
+    if (!fd) {
+      last_err = errno, last_call = "socket";
+      continue;
+    }
+    const int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      last_err = errno, last_call = "bind";
+      continue;
+    }
+    if (::listen(fd.get(), backlog) != 0) {
+      last_err = errno, last_call = "listen";
+      continue;
+    }
+    return fd;
+  }
+  throw_sys(last_call, last_err, where);
+}
+
+uint16_t local_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) throw_sys("getsockname", errno, "local_port");
+  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  if (ss.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  return 0;
+}
+
+std::string peer_name(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  return address_name(reinterpret_cast<const sockaddr*>(&ss));
+}
+
+void set_nonblocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) throw_sys("fcntl", errno, "set_nonblocking");
+}
+
+void set_nodelay(int fd) {
+  const int one = 1;
+  if (::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) != 0) throw_sys("setsockopt", errno, "TCP_NODELAY");
+}
+
+Fd connect_tcp(const std::string& host, uint16_t port, Deadline deadline) {
+  const std::string where = fmt::format("cannot connect to {}", endpoint(host, port));
+  AddrInfo ai;
+  resolve(host, port, /*passive=*/false, ai);
+  int last_err = ECONNREFUSED;
+  const char* last_call = "connect";
+  for (addrinfo* a = ai.head; a != nullptr; a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol));
+    if (!fd) {
+      last_err = errno, last_call = "socket";
+      continue;
+    }
+    if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        last_err = errno, last_call = "connect";
+        continue;
+      }
+      if (!wait_ready(fd.get(), POLLOUT, deadline)) {
+        throw NetError(NetError::Kind::timeout, "connect", ETIMEDOUT, where + ": timed out", __FILE__, __LINE__);
+      }
+      int err = 0;
+      socklen_t len = sizeof(err);
+      if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+      if (err != 0) {
+        last_err = err, last_call = "connect";
+        continue;
+      }
+    }
+    set_nodelay(fd.get());
+    return fd;
+  }
+  throw_sys(last_call, last_err, where);
+}
+
+bool wait_ready(int fd, short events, Deadline deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, remaining_ms(deadline));
+    if (rc > 0) return true;  // readiness, or an error the next syscall reports
+    if (rc == 0) {
+      if (Clock::now() >= deadline) return false;
+      continue;  // poll rounds down to whole milliseconds
+    }
+    if (errno != EINTR) throw_sys("poll", errno, "wait_ready");
+  }
+}
+
+void send_all(int fd, const void* data, size_t size, Deadline deadline) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (size > 0) {
+    const ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL);
+    if (n > 0) {
+      p += n;
+      size -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!wait_ready(fd, POLLOUT, deadline)) {
+        throw NetError(NetError::Kind::timeout, "send", ETIMEDOUT, "send timed out", __FILE__, __LINE__);
+      }
+      continue;
+    }
+    throw_sys("send", errno, "send failed");
+  }
+}
+
+void recv_all(int fd, void* data, size_t size, Deadline deadline) {
+  auto* p = static_cast<uint8_t*>(data);
+  while (size > 0) {
+    const ssize_t n = ::recv(fd, p, size, 0);
+    if (n > 0) {
+      p += n;
+      size -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) {
+      throw NetError(NetError::Kind::closed, "recv", 0, "the peer closed the connection", __FILE__, __LINE__);
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (!wait_ready(fd, POLLIN, deadline)) {
+        throw NetError(NetError::Kind::timeout, "recv", ETIMEDOUT, "recv timed out", __FILE__, __LINE__);
+      }
+      continue;
+    }
+    throw_sys("recv", errno, "recv failed");
+  }
+}
+
+WakeEvent::WakeEvent() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+  if (!fd_) throw_sys("eventfd", errno, "WakeEvent");
+}
+
+void WakeEvent::notify() {
+  const uint64_t one = 1;
+  // EAGAIN means the counter is saturated: the loop is already due to wake.
+  [[maybe_unused]] const ssize_t n = ::write(fd_.get(), &one, sizeof(one));
+}
+
+void WakeEvent::drain() {
+  uint64_t count = 0;
+  [[maybe_unused]] const ssize_t n = ::read(fd_.get(), &count, sizeof(count));
+}
+
+// ---- wire encoding ----
+
+void put_u8(std::string& out, uint8_t v) { out.push_back(static_cast<char>(v)); }
+
+void put_u32(std::string& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+void put_u64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+void put_bytes(std::string& out, std::string_view bytes) {
+  put_u32(out, static_cast<uint32_t>(bytes.size()));
+  out.append(bytes);
+}
+
+uint32_t load_u32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
+         (static_cast<uint32_t>(p[3]) << 24);
+}
+
+bool WireReader::u8(uint8_t& v) {
+  if (remaining() < 1) return false;
+  v = *p_++;
+  return true;
+}
+
+bool WireReader::u32(uint32_t& v) {
+  if (remaining() < 4) return false;
+  v = load_u32(p_);
+  p_ += 4;
+  return true;
+}
+
+bool WireReader::u64(uint64_t& v) {
+  if (remaining() < 8) return false;
+  v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p_[i]) << (8 * i);
+  p_ += 8;
+  return true;
+}
+
+bool WireReader::bytes(std::string& v) {
+  if (remaining() < 4) return false;
+  const uint32_t n = load_u32(p_);
+  if (n > remaining() - 4) return false;
+  v.assign(reinterpret_cast<const char*>(p_ + 4), n);
+  p_ += 4 + static_cast<size_t>(n);
+  return true;
+}
+
+std::string printable(std::string_view text, size_t max_len) {
+  std::string out;
+  for (const char ch : text) {
+    if (out.size() >= max_len) {
+      out += "...";
+      break;
+    }
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(ch);
+    } else {
+      out += fmt::format("\\x{:02x}", c);
+    }
+  }
+  return out;
+}
+
+// ---- the TCP store's frames ----
+
+namespace store_wire {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::set:
+      return "set";
+    case Op::get:
+      return "get";
+    case Op::try_get:
+      return "try_get";
+    case Op::add:
+      return "add";
+    case Op::compare_set:
+      return "compare_set";
+    case Op::wait:
+      return "wait";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string finish_frame(std::string body, const char* what) {
+  if (body.size() > kMaxFrameBytes) {
+    throw CommError(
+        what, 0, {},
+        fmt::format("message of {} bytes exceeds the store's frame limit of {} bytes", body.size(), kMaxFrameBytes),
+        __FILE__, __LINE__);
+  }
+  std::string frame;
+  frame.reserve(4 + body.size());
+  put_u32(frame, static_cast<uint32_t>(body.size()));
+  frame += body;
+  return frame;
+}
+
+bool read_keys(WireReader& r, std::vector<std::string>& keys, std::string& error) {
+  uint32_t n = 0;
+  if (!r.u32(n)) return false;
+  if (n > kMaxWaitKeys) {
+    error = fmt::format("{} keys exceed the limit of {}", n, kMaxWaitKeys);
+    return false;
+  }
+  // Each key takes at least its 4-byte length.
+  if (n > r.remaining() / 4) {
+    error = fmt::format("{} keys announced but only {} bytes remain", n, r.remaining());
+    return false;
+  }
+  keys.resize(n);
+  for (auto& k : keys) {
+    if (!r.bytes(k)) return false;
+  }
+  return true;
+}
+
+void put_keys(std::string& out, const std::vector<std::string>& keys) {
+  put_u32(out, static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) put_bytes(out, k);
+}
+
+}  // namespace
+
+RequestDecode decode_request_frame(const uint8_t* data, size_t size) {
+  RequestDecode d;
+  if (size < 4) return d;  // incomplete
+  const uint32_t len = load_u32(data);
+  if (len == 0 || len > kMaxFrameBytes) {
+    d.status = Decode::error;
+    d.error = fmt::format("frame length {} outside 1..{}", len, kMaxFrameBytes);
+    return d;
+  }
+  if (size - 4 < len) return d;  // incomplete
+  WireReader r(data + 4, len);
+  uint8_t opcode = 0;
+  r.u8(opcode);
+  Request& q = d.request;
+  bool ok = false;
+  std::string error;
+  switch (opcode) {
+    case static_cast<uint8_t>(Op::set):
+      ok = r.bytes(q.key) && r.bytes(q.value);
+      break;
+    case static_cast<uint8_t>(Op::get):
+      ok = r.bytes(q.key) && r.u64(q.timeout_ms);
+      break;
+    case static_cast<uint8_t>(Op::try_get):
+      ok = r.bytes(q.key);
+      break;
+    case static_cast<uint8_t>(Op::add): {
+      uint64_t bits = 0;
+      ok = r.bytes(q.key) && r.u64(bits);
+      q.delta = static_cast<int64_t>(bits);
+      break;
+    }
+    case static_cast<uint8_t>(Op::compare_set):
+      ok = r.bytes(q.key) && r.bytes(q.value) && r.bytes(q.desired);
+      break;
+    case static_cast<uint8_t>(Op::wait):
+      ok = r.u64(q.timeout_ms) && read_keys(r, q.keys, error);
+      break;
+    default:
+      d.status = Decode::error;
+      d.error = fmt::format("unknown opcode 0x{:02x}", opcode);
+      return d;
+  }
+  q.op = static_cast<Op>(opcode);
+  if (!ok) {
+    d.status = Decode::error;
+    d.error = fmt::format("malformed {} request{}{}", op_name(q.op), error.empty() ? "" : ": ", error);
+    return d;
+  }
+  if (r.remaining() != 0) {
+    d.status = Decode::error;
+    d.error = fmt::format("{} trailing bytes after a {} request", r.remaining(), op_name(q.op));
+    return d;
+  }
+  d.status = Decode::ok;
+  d.consumed = 4 + static_cast<size_t>(len);
+  return d;
+}
+
+std::string encode_request_frame(const Request& q) {
+  if (q.op == Op::wait && q.keys.size() > kMaxWaitKeys) {
+    throw CommError("store.wait", 0, {}, fmt::format("{} keys exceed the limit of {}", q.keys.size(), kMaxWaitKeys),
+                    __FILE__, __LINE__);
+  }
+  std::string body;
+  put_u8(body, static_cast<uint8_t>(q.op));
+  switch (q.op) {
+    case Op::set:
+      put_bytes(body, q.key);
+      put_bytes(body, q.value);
+      break;
+    case Op::get:
+      put_bytes(body, q.key);
+      put_u64(body, q.timeout_ms);
+      break;
+    case Op::try_get:
+      put_bytes(body, q.key);
+      break;
+    case Op::add:
+      put_bytes(body, q.key);
+      put_u64(body, static_cast<uint64_t>(q.delta));
+      break;
+    case Op::compare_set:
+      put_bytes(body, q.key);
+      put_bytes(body, q.value);
+      put_bytes(body, q.desired);
+      break;
+    case Op::wait:
+      put_u64(body, q.timeout_ms);
+      put_keys(body, q.keys);
+      break;
+  }
+  return finish_frame(std::move(body), "store.encode");
+}
+
+ReplyDecode decode_reply_body(Op op, const uint8_t* data, size_t size) {
+  ReplyDecode d;
+  WireReader r(data, size);
+  uint8_t status = 0;
+  if (!r.u8(status)) {
+    d.error = "empty reply";
+    return d;
+  }
+  Reply& y = d.reply;
+  bool ok = false;
+  std::string error;
+  if (status == static_cast<uint8_t>(Status::ok)) {
+    y.status = Status::ok;
+    switch (op) {
+      case Op::set:
+      case Op::wait:
+        ok = true;
+        break;
+      case Op::get:
+      case Op::compare_set:
+        ok = r.bytes(y.value);
+        break;
+      case Op::try_get: {
+        uint8_t present = 0;
+        ok = r.u8(present) && present <= 1;
+        y.present = present == 1;
+        if (ok && y.present) ok = r.bytes(y.value);
+        break;
+      }
+      case Op::add: {
+        uint64_t bits = 0;
+        ok = r.u64(bits);
+        y.number = static_cast<int64_t>(bits);
+        break;
+      }
+    }
+  } else if (status == static_cast<uint8_t>(Status::timeout) && (op == Op::get || op == Op::wait)) {
+    y.status = Status::timeout;
+    ok = read_keys(r, y.keys, error);
+  } else if (status == static_cast<uint8_t>(Status::error)) {
+    y.status = Status::error;
+    ok = r.bytes(y.message);
+  } else {
+    d.error = fmt::format("unexpected status 0x{:02x} in a {} reply", status, op_name(op));
+    return d;
+  }
+  if (!ok) {
+    d.error = fmt::format("malformed {} reply{}{}", op_name(op), error.empty() ? "" : ": ", error);
+    return d;
+  }
+  if (r.remaining() != 0) {
+    d.error = fmt::format("{} trailing bytes after a {} reply", r.remaining(), op_name(op));
+    return d;
+  }
+  d.ok = true;
+  return d;
+}
+
+std::string encode_reply_frame(Op op, const Reply& y) {
+  std::string body;
+  put_u8(body, static_cast<uint8_t>(y.status));
+  switch (y.status) {
+    case Status::ok:
+      switch (op) {
+        case Op::set:
+        case Op::wait:
+          break;
+        case Op::get:
+        case Op::compare_set:
+          put_bytes(body, y.value);
+          break;
+        case Op::try_get:
+          put_u8(body, y.present ? 1 : 0);
+          if (y.present) put_bytes(body, y.value);
+          break;
+        case Op::add:
+          put_u64(body, static_cast<uint64_t>(y.number));
+          break;
+      }
+      break;
+    case Status::timeout:
+      put_keys(body, y.keys);
+      break;
+    case Status::error:
+      put_bytes(body, y.message);
+      break;
+  }
+  return finish_frame(std::move(body), "store.reply");
+}
+
+}  // namespace store_wire
+
+}  // namespace dtrain::comm::net

@@ -1,0 +1,207 @@
+// Small TCP helpers for dtrain_comm (internal): an owning file descriptor, listen/connect,
+// deadline-bounded send/recv on non-blocking sockets, a wake-up eventfd for poll() loops,
+// little-endian wire encoding, and the TCP store's frame codec.
+//
+// Errors inside this layer are NetError (syscall, errno, kind); the store and transports
+// translate them into CommError naming the peer and the operation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm::net {
+
+class NetError : public Error {
+ public:
+  enum class Kind {
+    timeout,  // the deadline passed
+    closed,   // the peer closed the connection (EOF, reset, broken pipe)
+    system,   // any other failing syscall
+  };
+  NetError(Kind kind, std::string syscall, int error_number, const std::string& message, const char* file, int line)
+      : Error("comm", message, file, line), kind_(kind), syscall_(std::move(syscall)), errno_(error_number) {}
+  Kind kind() const { return kind_; }
+  const std::string& syscall() const { return syscall_; }
+  int error_number() const { return errno_; }
+
+ private:
+  Kind kind_;
+  std::string syscall_;
+  int errno_;
+};
+
+/// Owns a file descriptor; closes it on destruction. Move-only.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& other) noexcept : fd_(other.release()) {}
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) reset(other.release());
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+/// "host:port", or "[v6]:port" when host contains a colon.
+std::string endpoint(const std::string& host, uint16_t port);
+
+/// A non-blocking, close-on-exec listening socket bound to `address` (a numeric address or a
+/// host name; "" means 127.0.0.1) with SO_REUSEADDR. Throws NetError.
+Fd listen_tcp(const std::string& address, uint16_t port, int backlog);
+/// The local port a socket is bound to.
+uint16_t local_port(int fd);
+/// The peer of a connected socket as "host:port" ("?" when unknown).
+std::string peer_name(int fd);
+
+/// One connection attempt to every address `host` resolves to, until `deadline`. Returns a
+/// non-blocking, close-on-exec socket with TCP_NODELAY. Throws NetError (refused, timeout,
+/// resolution failure).
+Fd connect_tcp(const std::string& host, uint16_t port, Deadline deadline);
+
+void set_nonblocking(int fd);
+void set_nodelay(int fd);
+
+/// Waits until `fd` is ready for `events` (POLLIN/POLLOUT); false when `deadline` passed.
+bool wait_ready(int fd, short events, Deadline deadline);
+/// Sends all bytes of a non-blocking socket (MSG_NOSIGNAL) or throws NetError.
+void send_all(int fd, const void* data, size_t size, Deadline deadline);
+/// Receives exactly `size` bytes or throws NetError (closed on EOF, timeout at the deadline).
+void recv_all(int fd, void* data, size_t size, Deadline deadline);
+
+/// An eventfd that wakes a poll() loop from another thread.
+class WakeEvent {
+ public:
+  WakeEvent();
+  int fd() const { return fd_.get(); }
+  void notify();
+  void drain();
+
+ private:
+  Fd fd_;
+};
+
+// ---- little-endian wire encoding ----
+
+void put_u8(std::string& out, uint8_t v);
+void put_u32(std::string& out, uint32_t v);
+void put_u64(std::string& out, uint64_t v);
+/// u32 length followed by the bytes.
+void put_bytes(std::string& out, std::string_view bytes);
+uint32_t load_u32(const uint8_t* p);
+
+/// Strict reader over a byte range: every read checks the remaining size and fails (returns
+/// false, consuming nothing) rather than reading past the end.
+class WireReader {
+ public:
+  WireReader(const uint8_t* data, size_t size) : p_(data), end_(data + size) {}
+  size_t remaining() const { return static_cast<size_t>(end_ - p_); }
+  bool u8(uint8_t& v);
+  bool u32(uint32_t& v);
+  bool u64(uint64_t& v);
+  bool bytes(std::string& v);
+
+ private:
+  const uint8_t* p_;
+  const uint8_t* end_;
+};
+
+/// `text` with non-printable bytes escaped as \xNN, cut to `max_len` characters ("..." added).
+std::string printable(std::string_view text, size_t max_len = 64);
+
+// ---- the TCP store's wire protocol ----
+//
+// After the handshake (server greeting kGreetingMagic, version, 32-byte challenge; client
+// answer HMAC; server verdict byte kAuthAccepted) both sides exchange frames:
+//   frame   = u32 body_length (1..kMaxFrameBytes) + body
+//   request = u8 opcode + fields     reply = u8 status + fields
+// strings are u32 length + bytes, integers are little-endian u64 (i64 as two's complement).
+//   set         key, value                  -> ok
+//   get         key, u64 timeout_ms         -> ok value | timeout [keys]
+//   try_get     key                         -> ok u8 present (0|1) [value]
+//   add         key, i64 delta              -> ok i64 | error message
+//   compare_set key, expected, desired      -> ok value
+//   wait        u64 timeout_ms, u32 n, n x key -> ok | timeout [missing keys]   (n <= kMaxWaitKeys)
+// Decoding is strict: unknown opcodes, lengths past the end and trailing bytes are errors,
+// so encode(decode(frame)) == frame for every accepted frame.
+namespace store_wire {
+
+inline constexpr char kGreetingMagic[4] = {'D', 'T', 'R', 'S'};
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kGreetingBytes = 4 + 1 + 32;
+inline constexpr uint8_t kAuthAccepted = 1;
+inline constexpr uint8_t kAuthRefused = 0;
+inline constexpr std::string_view kAuthContext = "dtrain.store.v1";
+/// Bounds the memory a wait frame can make the decoder allocate (32 bytes per key object).
+inline constexpr uint32_t kMaxWaitKeys = 1u << 16;
+
+enum class Op : uint8_t { set = 1, get = 2, try_get = 3, add = 4, compare_set = 5, wait = 6 };
+enum class Status : uint8_t { ok = 0, timeout = 1, error = 2 };
+const char* op_name(Op op);
+
+struct Request {
+  Op op = Op::set;
+  std::string key;
+  std::string value;              // set: value; compare_set: expected
+  std::string desired;            // compare_set
+  int64_t delta = 0;              // add
+  uint64_t timeout_ms = 0;        // get, wait
+  std::vector<std::string> keys;  // wait
+};
+
+struct Reply {
+  Status status = Status::ok;
+  std::string value;              // get, compare_set; try_get when present
+  bool present = false;           // try_get
+  int64_t number = 0;             // add
+  std::vector<std::string> keys;  // timeout: the keys still missing
+  std::string message;            // error
+};
+
+enum class Decode { ok, incomplete, error };
+
+struct RequestDecode {
+  Decode status = Decode::incomplete;
+  size_t consumed = 0;  // bytes of the frame (prefix included) when ok
+  Request request;
+  std::string error;
+};
+
+/// Decodes the first frame in `data`: ok (with the bytes it took), incomplete (a prefix of a
+/// possibly valid frame) or error (no continuation can make it valid). Never throws except
+/// std::bad_alloc.
+RequestDecode decode_request_frame(const uint8_t* data, size_t size);
+/// The frame (length prefix included); throws CommError when it exceeds kMaxFrameBytes.
+std::string encode_request_frame(const Request& request);
+
+struct ReplyDecode {
+  bool ok = false;
+  Reply reply;
+  std::string error;
+};
+/// Decodes a reply body (without its length prefix) to a request of type `op`.
+ReplyDecode decode_reply_body(Op op, const uint8_t* data, size_t size);
+/// The frame (length prefix included); throws CommError when it exceeds kMaxFrameBytes.
+std::string encode_reply_frame(Op op, const Reply& reply);
+
+}  // namespace store_wire
+
+}  // namespace dtrain::comm::net

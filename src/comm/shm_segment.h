@@ -1,0 +1,137 @@
+// Shared-memory segment of the shm transport: its layout, creation and mapping, futex helpers
+// and the liveness check of peer processes. Internal to src/comm.
+//
+// Layout (offsets computed by SegmentLayout, every block aligned to kLine = 128 bytes so that
+// words written by different ranks never share a cache line, nor an adjacent-line prefetch pair):
+//
+//   SegmentHeader   magic, version, size, ring bytes; abort state + rank + reason
+//   RankSlot[size]  per rank: pid, process start time, departed flag   (written once)
+//                   and, on its own line, the futex word + sleeper count  (hot)
+//   RingCtl[P]      per ordered pair (src -> dst), src != dst: head (written by src only) and
+//                   tail (written by dst only), each on its own line
+//   ring data[P]    page aligned, ring_bytes (a power of two) each
+//
+// P = size * (size - 1); ring (src -> dst) has index src * (size - 1) + (dst < src ? dst : dst - 1).
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm::shm {
+
+constexpr uint64_t kMagic = 0x315f4d48535f5444ull;  // "DT_SHM_1"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kLine = 128;
+constexpr size_t kDefaultRingBytes = size_t{1} << 20;
+constexpr size_t kMinRingBytes = 4096;
+constexpr size_t kMaxRingBytes = size_t{1} << 30;
+constexpr size_t kAbortReasonBytes = 512;
+
+enum AbortState : uint32_t { kNotAborted = 0, kAbortWriting = 1, kAbortPublished = 2 };
+
+struct alignas(kLine) SegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t size;
+  uint64_t ring_bytes;
+  uint64_t total_bytes;
+  alignas(kLine) std::atomic<uint32_t> abort_state;  // AbortState
+  int32_t abort_rank;
+  char abort_reason[kAbortReasonBytes];
+};
+
+struct RankSlot {
+  // Written by the rank itself when it joins / leaves; read by peers' liveness checks.
+  alignas(kLine) std::atomic<int32_t> pid;
+  std::atomic<uint32_t> departed;
+  std::atomic<uint64_t> start_time;  // clock ticks since boot (/proc/<pid>/stat), 0 if unknown
+  // Bumped by anyone who wants this rank to re-check its rings; it sleeps on it.
+  alignas(kLine) std::atomic<uint32_t> futex;
+  std::atomic<uint32_t> sleepers;  // > 0 while one of its threads is about to sleep or sleeps
+};
+
+struct RingCtl {
+  alignas(kLine) std::atomic<uint64_t> head;  // bytes ever written by the producer
+  alignas(kLine) std::atomic<uint64_t> tail;  // bytes ever consumed by the consumer
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
+              "futex words must be plain 32-bit integers");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "ring positions must be lock-free");
+
+struct SegmentLayout {
+  SegmentLayout(int world_size, size_t bytes_per_ring);
+  int size;
+  size_t ring_bytes;
+  size_t pairs;
+  size_t ranks_offset;
+  size_t rings_offset;
+  size_t data_offset;
+  size_t total_bytes;
+};
+
+/// A mapping of the segment. Move-only; unmaps on destruction (it never unlinks).
+class Segment {
+ public:
+  /// Creates `name` exclusively, sizes and reserves it (posix_fallocate, so a full /dev/shm is an
+  /// error here rather than a SIGBUS later), maps it and initialises the control area.
+  /// Unlinks the name again if any step fails.
+  static Segment create(const std::string& name, int size, size_t ring_bytes);
+  /// Opens and maps an existing segment; checks magic, version and world size.
+  static Segment open(const std::string& name, int size);
+
+  Segment(Segment&& other) noexcept;
+  Segment& operator=(Segment&& other) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment();
+
+  SegmentHeader& header() const { return *reinterpret_cast<SegmentHeader*>(base_); }
+  RankSlot& rank(int r) const { return reinterpret_cast<RankSlot*>(base_ + layout_.ranks_offset)[r]; }
+  RingCtl& ring_ctl(int src, int dst) const {
+    return reinterpret_cast<RingCtl*>(base_ + layout_.rings_offset)[ring_index(src, dst)];
+  }
+  char* ring_data(int src, int dst) const {
+    return base_ + layout_.data_offset + ring_index(src, dst) * layout_.ring_bytes;
+  }
+  size_t ring_bytes() const { return layout_.ring_bytes; }
+  size_t total_bytes() const { return layout_.total_bytes; }
+
+ private:
+  Segment(char* base, SegmentLayout layout) : base_(base), layout_(layout) {}
+  size_t ring_index(int src, int dst) const {
+    return static_cast<size_t>(src) * static_cast<size_t>(layout_.size - 1) +
+           static_cast<size_t>(dst < src ? dst : dst - 1);
+  }
+  char* base_ = nullptr;
+  SegmentLayout layout_;
+};
+
+/// shm_unlink that ignores a name already gone; never throws.
+void unlink_segment(const std::string& name) noexcept;
+
+/// "/dtrain-<prefix, sanitised>-<pid>-<64 random bits in hex>".
+std::string make_segment_name(const std::string& prefix);
+
+/// Ring size from DTRAIN_SHM_RING_BYTES (a power of two in [4 KiB, 1 GiB]) or the default.
+size_t ring_bytes_from_env();
+
+/// Sleeps while *word == expected, at most `timeout`. Process-shared (not FUTEX_PRIVATE).
+void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, Duration timeout);
+/// Bumps *word and wakes every sleeper on it.
+void futex_wake_all(std::atomic<uint32_t>& word);
+
+/// Start time of `pid` in clock ticks since boot, 0 if unknown.
+uint64_t process_start_time(pid_t pid);
+
+/// False when the process is gone: no such pid, a zombie, or a different process now holding
+/// the pid (start time changed). True when alive or when it cannot tell.
+bool process_alive(pid_t pid, uint64_t start_time);
+
+}  // namespace dtrain::comm::shm

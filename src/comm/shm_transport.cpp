@@ -1,0 +1,680 @@
+// Shared-memory transport between the ranks of one host (processes or threads).
+//
+// Vocabulary. The segment (shm_segment.h) holds one ring per ordered pair of ranks; seen from
+// a rank, the ring it writes to peer p is p's *out channel* and the ring p writes to it is p's
+// *in channel*. A ring position counts bytes ever written (head, producer only) or consumed
+// (tail, consumer only); both are monotonic u64, the ring index is position & (ring_bytes - 1).
+// A *frame* is a 16-byte header {tag, bytes} followed by the payload; frames start on a 64-byte
+// boundary (the *pad* after a payload is skipped by both sides), so a header never wraps and a
+// small message shares one cache line with its header. A payload streams through the ring in
+// *pieces* of at most kChunkBytes: a *step* moves one piece of the request at the front of a
+// channel's FIFO queue and publishes the new head/tail; a *pass* steps every channel once.
+//
+// wait() runs passes over ALL queued requests (not just the listed ones) until the listed ones
+// completed, so two ranks streaming large messages at each other always drain each other's
+// rings. When a pass moves nothing it spins (pause, later also sched_yield) for kSpinIterations
+// passes, then sleeps on its own futex word for at most kMaxSleep. Writers bump and FUTEX_WAKE
+// that word only if its owner announced a sleep (RankSlot::sleepers), so the fast path makes no
+// system call:
+//   sleeper: seq = futex; sleepers++ (full barrier); re-run a pass; futex_wait(seq)
+//   writer:  store head/tail (release); full fence; if sleepers: futex++, FUTEX_WAKE
+// Either the sleeper's pass sees the new position or the writer sees the sleeper (Dekker).
+//
+// Threads: post_send/post_recv/wait must not run concurrently on one transport (a concurrent
+// call throws); abort() may be called from any thread.
+#include <sched.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "dtrain/comm/store.h"
+#include "dtrain/comm/transport.h"
+#include "shm_segment.h"
+
+namespace dtrain::comm {
+
+namespace {
+
+using shm::Segment;
+
+constexpr size_t kHeaderBytes = 16;
+constexpr size_t kFrameAlign = 64;
+constexpr size_t kChunkBytes = size_t{64} << 10;  // a piece: ~20 us of memcpy, so the reader rarely sleeps
+constexpr int kSpinIterations = 2000;
+constexpr int kClockEvery = 64;   // passes between clock reads while spinning
+constexpr int kYieldAfter = 256;  // idle passes of pure spinning before yielding too
+constexpr int kYieldEvery = 16;   // then sched_yield every kYieldEvery idle passes
+constexpr Duration kMaxSleep{20};
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
+constexpr size_t kMaxListedInMessage = 8;
+
+struct FrameHeader {
+  uint64_t tag;
+  uint64_t bytes;
+};
+static_assert(sizeof(FrameHeader) == kHeaderBytes);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+struct Request {
+  RequestId id = 0;
+  bool is_send = false;
+  int peer = -1;
+  uint64_t tag = 0;
+  char* data = nullptr;
+  size_t bytes = 0;
+  size_t done = 0;           // payload bytes moved
+  bool header_done = false;  // header written (send) or read and matched (recv)
+  bool complete = false;
+};
+
+std::string describe(const Request& r) {
+  return fmt::format("{} rank {} (tag {}, {} of {} bytes)", r.is_send ? "send to" : "recv from", r.peer, r.tag, r.done,
+                     r.bytes);
+}
+
+std::string describe(const std::vector<Request*>& pending) {
+  std::string out;
+  for (size_t i = 0; i < pending.size() && i < kMaxListedInMessage; ++i) {
+    if (i > 0) out += "; ";
+    out += describe(*pending[i]);
+  }
+  if (pending.size() > kMaxListedInMessage) out += fmt::format("; and {} more", pending.size() - kMaxListedInMessage);
+  return out;
+}
+
+// One direction of one pair, seen from this rank.
+struct Channel {
+  shm::RingCtl* ctl = nullptr;
+  char* data = nullptr;
+  uint64_t pos = 0;    // our head (out) or tail (in); we are its only writer
+  uint64_t other = 0;  // last tail (out) or head (in) read from the other side
+  uint64_t pad = 0;    // bytes to skip before the next frame
+  std::deque<Request*> queue;
+};
+
+struct Peer {
+  Channel out;
+  Channel in;
+};
+
+// Rejects concurrent post/wait calls on one transport instead of corrupting its queues.
+class UseGuard {
+ public:
+  explicit UseGuard(std::atomic<bool>& flag) : flag_(flag) {
+    if (flag_.exchange(true, std::memory_order_acquire)) {
+      DT_THROW("comm", "shm transport used by two threads at once (post_send/post_recv/wait must be serialized)");
+    }
+  }
+  ~UseGuard() { flag_.store(false, std::memory_order_release); }
+  UseGuard(const UseGuard&) = delete;
+  UseGuard& operator=(const UseGuard&) = delete;
+
+ private:
+  std::atomic<bool>& flag_;
+};
+
+class ShmTransport final : public Transport {
+ public:
+  ShmTransport(Segment segment, int rank, int size)
+      : seg_(std::move(segment)),
+        rank_(rank),
+        size_(size),
+        cap_(seg_.ring_bytes()),
+        mask_(seg_.ring_bytes() - 1),
+        pid_(::getpid()),
+        peers_(static_cast<size_t>(size)) {
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      Peer& peer = peers_[static_cast<size_t>(p)];
+      peer.out.ctl = &seg_.ring_ctl(rank_, p);
+      peer.out.data = seg_.ring_data(rank_, p);
+      peer.in.ctl = &seg_.ring_ctl(p, rank_);
+      peer.in.data = seg_.ring_data(p, rank_);
+    }
+  }
+
+  ~ShmTransport() override {
+    // Peers blocked on this rank notice at once instead of at their deadline.
+    seg_.rank(rank_).departed.store(1, std::memory_order_release);
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_) shm::futex_wake_all(seg_.rank(p).futex);
+    }
+  }
+
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* kind() const override { return "shm"; }
+
+  RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) override {
+    UseGuard guard(in_use_);
+    Request& r = add_request(true, peer, tag, const_cast<void*>(data), bytes, "post_send");
+    if (peer == rank_) {
+      self_sends_.push_back(&r);
+    } else {
+      Channel& c = peers_[static_cast<size_t>(peer)].out;
+      c.queue.push_back(&r);
+      // Eagerly start the send: the peer can read a small message before we even wait.
+      if (c.queue.size() == 1 && step_send(peer, c, r) && r.complete) c.queue.pop_front();
+    }
+    return r.id;
+  }
+
+  RequestId post_recv(int peer, uint64_t tag, void* data, size_t bytes) override {
+    UseGuard guard(in_use_);
+    Request& r = add_request(false, peer, tag, data, bytes, "post_recv");
+    (peer == rank_ ? self_recvs_ : peers_[static_cast<size_t>(peer)].in.queue).push_back(&r);
+    return r.id;
+  }
+
+  void wait(const std::vector<RequestId>& ids, Deadline deadline) override {
+    UseGuard guard(in_use_);
+    if (broken_) std::rethrow_exception(broken_);
+    std::vector<Request*> listed;
+    listed.reserve(ids.size());
+    for (RequestId id : ids) {
+      auto it = requests_.find(id);
+      if (it != requests_.end()) {
+        listed.push_back(&it->second);
+      } else if (id == 0 || id >= next_id_) {
+        DT_THROW("comm", "shm wait: unknown request id {} (rank {} issued ids 1..{})", id, rank_, next_id_ - 1);
+      }  // else: completed and reaped by an earlier wait
+    }
+    try {
+      drive(listed, deadline);
+    } catch (const TransportError& e) {
+      // A timeout leaves the requests queued; anything else means the streams are unusable.
+      if (e.kind() != TransportError::Kind::timeout) broken_ = std::current_exception();
+      throw;
+    }
+    for (Request* r : listed) requests_.erase(r->id);
+  }
+
+  void abort(const std::string& reason) override {
+    shm::SegmentHeader& h = seg_.header();
+    uint32_t expected = shm::kNotAborted;
+    if (h.abort_state.compare_exchange_strong(expected, shm::kAbortWriting, std::memory_order_acq_rel)) {
+      h.abort_rank = rank_;
+      const size_t n = std::min(reason.size(), shm::kAbortReasonBytes - 1);
+      std::memcpy(h.abort_reason, reason.data(), n);
+      h.abort_reason[n] = '\0';
+      h.abort_state.store(shm::kAbortPublished, std::memory_order_release);
+    }
+    for (int p = 0; p < size_; ++p) shm::futex_wake_all(seg_.rank(p).futex);
+  }
+
+ private:
+  Request& add_request(bool is_send, int peer, uint64_t tag, void* data, size_t bytes, const char* op) {
+    if (peer < 0 || peer >= size_) {
+      DT_THROW("comm", "shm {}: peer {} out of range (rank {} of a group of {})", op, peer, rank_, size_);
+    }
+    if (data == nullptr && bytes != 0)
+      DT_THROW("comm", "shm {}: null buffer for {} bytes to/from rank {}", op, bytes, peer);
+    const RequestId id = next_id_++;
+    Request& r = requests_[id];
+    r.id = id;
+    r.is_send = is_send;
+    r.peer = peer;
+    r.tag = tag;
+    r.data = static_cast<char*>(data);
+    r.bytes = bytes;
+    return r;
+  }
+
+  // Requests complete roughly in order: resume the scan where the last one stopped, so a
+  // wait on thousands of requests costs O(1) per pass instead of O(n).
+  static bool all_complete(const std::vector<Request*>& listed, size_t& cursor) {
+    while (cursor < listed.size() && listed[cursor]->complete) ++cursor;
+    return cursor == listed.size();
+  }
+
+  static std::vector<Request*> pending_of(const std::vector<Request*>& listed) {
+    std::vector<Request*> pending;
+    for (Request* r : listed) {
+      if (!r->complete) pending.push_back(r);
+    }
+    return pending;
+  }
+
+  static std::vector<int> peers_of(const std::vector<Request*>& pending) {
+    std::vector<int> peers;
+    peers.reserve(pending.size());
+    for (const Request* r : pending) peers.push_back(r->peer);
+    std::sort(peers.begin(), peers.end());
+    peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+    return peers;
+  }
+
+  // The progress loop of wait(): pass, spin, sleep, with the failure checks in between.
+  void drive(const std::vector<Request*>& listed, Deadline deadline) {
+    const auto start = Clock::now();
+    auto last_liveness = start;
+    size_t cursor = 0;
+    int idle = 0;  // passes in a row that moved nothing
+    for (uint64_t iteration = 1;; ++iteration) {
+      check_abort();
+      const bool moved = pass();
+      if (all_complete(listed, cursor)) return;
+      idle = moved ? 0 : idle + 1;
+      // The clock is read every kClockEvery passes, moving or not, so a deadline always fires.
+      Clock::time_point now{};
+      if (iteration % kClockEvery == 0 || idle >= kSpinIterations) {
+        now = Clock::now();
+        if (now >= deadline) throw_timeout(listed, now - start);
+        if (now - last_liveness >= kLivenessPeriod) {
+          check_liveness(listed);
+          last_liveness = now;
+          if (all_complete(listed, cursor)) return;
+        }
+      }
+      if (idle == 0) continue;
+      if (idle < kSpinIterations) {
+        // After the first microseconds, also let a rank that shares our core run (threads, or
+        // more ranks than cores); on an otherwise idle core sched_yield returns at once.
+        if (idle >= kYieldAfter && idle % kYieldEvery == 0) {
+          ::sched_yield();
+        } else {
+          cpu_relax();
+        }
+        continue;
+      }
+      idle = 0;
+      sleep(listed, cursor, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now)));
+    }
+  }
+
+  // Announces the sleep, re-checks the rings, then sleeps on the futex unless woken already.
+  void sleep(const std::vector<Request*>& listed, size_t& cursor, Duration timeout) {
+    shm::RankSlot& slot = seg_.rank(rank_);
+    const uint32_t seq = slot.futex.load(std::memory_order_acquire);
+    slot.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    struct Announce {
+      shm::RankSlot& slot;
+      ~Announce() { slot.sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+    } announce{slot};
+    check_abort();
+    if (pass() || all_complete(listed, cursor)) return;
+    shm::futex_wait(slot.futex, seq, timeout);
+  }
+
+  bool pass() {
+    bool moved = !self_sends_.empty() && progress_self();
+    for (int k = 1; k < size_; ++k) {
+      const int p = (rank_ + k) % size_;
+      Peer& peer = peers_[static_cast<size_t>(p)];
+      if (!peer.out.queue.empty()) moved |= drive_channel(p, peer.out, true);
+      if (!peer.in.queue.empty()) moved |= drive_channel(p, peer.in, false);
+    }
+    return moved;
+  }
+
+  bool drive_channel(int peer, Channel& c, bool is_send) {
+    bool moved = false;
+    while (!c.queue.empty()) {
+      Request& r = *c.queue.front();
+      if (!(is_send ? step_send(peer, c, r) : step_recv(peer, c, r))) break;
+      moved = true;
+      if (!r.complete) break;  // one piece per request per pass keeps the channels fair
+      c.queue.pop_front();
+    }
+    return moved;
+  }
+
+  // Free bytes in an out channel; re-reads the consumer's tail only when the cache is short.
+  size_t free_bytes(Channel& c, size_t want) {
+    size_t free = cap_ - static_cast<size_t>(c.pos - c.other);
+    if (free < want) {
+      c.other = c.ctl->tail.load(std::memory_order_acquire);
+      free = cap_ - static_cast<size_t>(c.pos - c.other);
+    }
+    return free;
+  }
+
+  // Readable bytes in an in channel; re-reads the producer's head only when the cache is short.
+  size_t readable_bytes(Channel& c, size_t want) {
+    size_t avail = static_cast<size_t>(c.other - c.pos);
+    if (avail < want) {
+      c.other = c.ctl->head.load(std::memory_order_acquire);
+      avail = static_cast<size_t>(c.other - c.pos);
+    }
+    return avail;
+  }
+
+  void copy_to_ring(char* ring, uint64_t pos, const char* src, size_t n) const {
+    const size_t off = static_cast<size_t>(pos) & mask_;
+    const size_t first = std::min(n, cap_ - off);
+    std::memcpy(ring + off, src, first);
+    if (n > first) std::memcpy(ring, src + first, n - first);
+  }
+
+  void copy_from_ring(char* dst, const char* ring, uint64_t pos, size_t n) const {
+    const size_t off = static_cast<size_t>(pos) & mask_;
+    const size_t first = std::min(n, cap_ - off);
+    std::memcpy(dst, ring + off, first);
+    if (n > first) std::memcpy(dst + first, ring, n - first);
+  }
+
+  // Moves at most one piece of `r` into the ring; true if the head moved.
+  bool step_send(int peer, Channel& c, Request& r) {
+    const uint64_t start = c.pos;
+    bool blocked = false;
+    if (c.pad != 0) {
+      if (free_bytes(c, c.pad) >= c.pad) {
+        c.pos += c.pad;
+        c.pad = 0;
+      } else {
+        blocked = true;
+      }
+    }
+    if (!blocked && !r.header_done) {
+      if (free_bytes(c, kHeaderBytes) >= kHeaderBytes) {
+        const FrameHeader h{r.tag, r.bytes};
+        std::memcpy(c.data + (c.pos & mask_), &h, kHeaderBytes);
+        c.pos += kHeaderBytes;
+        r.header_done = true;
+      } else {
+        blocked = true;
+      }
+    }
+    if (!blocked && r.done < r.bytes) {
+      const size_t want = std::min(r.bytes - r.done, kChunkBytes);
+      const size_t n = std::min(want, free_bytes(c, want));
+      copy_to_ring(c.data, c.pos, r.data + r.done, n);
+      c.pos += n;
+      r.done += n;
+    }
+    if (!blocked && r.done == r.bytes) {
+      r.complete = true;
+      const size_t pad = static_cast<size_t>(-c.pos) & (kFrameAlign - 1);
+      if (pad != 0 && free_bytes(c, pad) >= pad) {
+        c.pos += pad;
+      } else {
+        c.pad = pad;
+      }
+    }
+    if (c.pos == start) return false;
+    c.ctl->head.store(c.pos, std::memory_order_release);
+    notify(peer);
+    return true;
+  }
+
+  // Moves at most one piece of the next message from the ring into `r`; true if the tail moved.
+  bool step_recv(int peer, Channel& c, Request& r) {
+    const uint64_t start = c.pos;
+    bool blocked = false;
+    if (c.pad != 0) {
+      if (readable_bytes(c, c.pad) >= c.pad) {
+        c.pos += c.pad;
+        c.pad = 0;
+      } else {
+        blocked = true;
+      }
+    }
+    if (!blocked && !r.header_done) {
+      if (readable_bytes(c, kHeaderBytes) >= kHeaderBytes) {
+        FrameHeader h{};
+        std::memcpy(&h, c.data + (c.pos & mask_), kHeaderBytes);
+        if (h.tag != r.tag || h.bytes != r.bytes) {
+          publish_tail(peer, c, start);
+          throw TransportError(TransportError::Kind::protocol, {peer},
+                               fmt::format("shm: rank {} sent tag {} ({} bytes) but rank {} expected tag {} ({} bytes)",
+                                           peer, h.tag, h.bytes, rank_, r.tag, r.bytes),
+                               __FILE__, __LINE__);
+        }
+        c.pos += kHeaderBytes;
+        r.header_done = true;
+      } else {
+        blocked = true;
+      }
+    }
+    if (!blocked && r.done < r.bytes) {
+      const size_t want = std::min(r.bytes - r.done, kChunkBytes);
+      const size_t n = std::min(want, readable_bytes(c, want));
+      copy_from_ring(r.data + r.done, c.data, c.pos, n);
+      c.pos += n;
+      r.done += n;
+    }
+    if (!blocked && r.done == r.bytes) {
+      r.complete = true;
+      const size_t pad = static_cast<size_t>(-c.pos) & (kFrameAlign - 1);
+      if (pad != 0 && readable_bytes(c, pad) >= pad) {
+        c.pos += pad;
+      } else {
+        c.pad = pad;
+      }
+    }
+    return publish_tail(peer, c, start);
+  }
+
+  bool publish_tail(int peer, Channel& c, uint64_t start) {
+    if (c.pos == start) return false;
+    c.ctl->tail.store(c.pos, std::memory_order_release);
+    notify(peer);
+    return true;
+  }
+
+  // Wakes `peer` if it announced a sleep (see the file comment for why the fence is needed).
+  void notify(int peer) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    shm::RankSlot& slot = seg_.rank(peer);
+    if (slot.sleepers.load(std::memory_order_relaxed) != 0) shm::futex_wake_all(slot.futex);
+  }
+
+  // Messages to self: matched in order, copied directly.
+  bool progress_self() {
+    bool moved = false;
+    while (!self_sends_.empty() && !self_recvs_.empty()) {
+      Request& s = *self_sends_.front();
+      Request& r = *self_recvs_.front();
+      if (s.tag != r.tag || s.bytes != r.bytes) {
+        throw TransportError(TransportError::Kind::protocol, {rank_},
+                             fmt::format("shm: rank {} sent tag {} ({} bytes) to itself but expected tag {} ({} bytes)",
+                                         rank_, s.tag, s.bytes, r.tag, r.bytes),
+                             __FILE__, __LINE__);
+      }
+      if (s.bytes != 0) std::memcpy(r.data, s.data, s.bytes);
+      s.done = r.done = s.bytes;
+      s.header_done = r.header_done = s.complete = r.complete = true;
+      self_sends_.pop_front();
+      self_recvs_.pop_front();
+      moved = true;
+    }
+    return moved;
+  }
+
+  void check_abort() {
+    if (seg_.header().abort_state.load(std::memory_order_acquire) != shm::kNotAborted) [[unlikely]] {
+      throw_aborted();
+    }
+  }
+
+  [[noreturn]] void throw_aborted() {
+    shm::SegmentHeader& h = seg_.header();
+    // The aborting rank writes the reason between two stores of abort_state; give it a moment.
+    for (int i = 0; i < 100000 && h.abort_state.load(std::memory_order_acquire) != shm::kAbortPublished; ++i) {
+      cpu_relax();
+    }
+    std::string reason = "(reason not published)";
+    int by = -1;
+    if (h.abort_state.load(std::memory_order_acquire) == shm::kAbortPublished) {
+      by = h.abort_rank;
+      reason.assign(h.abort_reason, ::strnlen(h.abort_reason, shm::kAbortReasonBytes));
+    }
+    std::vector<int> peers;
+    if (by >= 0 && by != rank_) peers.push_back(by);
+    throw TransportError(TransportError::Kind::aborted, std::move(peers),
+                         by >= 0 ? fmt::format("shm: transport aborted by rank {}: {}", by, reason)
+                                 : fmt::format("shm: transport aborted: {}", reason),
+                         __FILE__, __LINE__);
+  }
+
+  [[noreturn]] void throw_timeout(const std::vector<Request*>& listed, Clock::duration waited) {
+    const auto pending = pending_of(listed);
+    std::vector<int> peers = peers_of(pending);
+    throw TransportError(TransportError::Kind::timeout, peers,
+                         fmt::format("shm: rank {} timed out after {} ms waiting for rank(s) {}: {}", rank_,
+                                     std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
+                                     fmt::join(peers, ", "), describe(pending)),
+                         __FILE__, __LINE__);
+  }
+
+  // Throws peer_dead if a peer that a pending request needs is gone and left nothing to read.
+  void check_liveness(const std::vector<Request*>& listed) {
+    std::vector<int> gone;
+    for (int p : peers_of(pending_of(listed))) {
+      if (p == rank_) continue;
+      const shm::RankSlot& slot = seg_.rank(p);
+      const pid_t pid = slot.pid.load(std::memory_order_acquire);
+      if (slot.departed.load(std::memory_order_acquire) != 0 ||
+          (pid != pid_ && !shm::process_alive(pid, slot.start_time.load(std::memory_order_relaxed)))) {
+        gone.push_back(p);
+      }
+    }
+    if (gone.empty()) return;
+    // It may have written its last messages before it went: take what is in the rings.
+    while (pass()) {
+    }
+    const auto pending = pending_of(listed);
+    std::vector<int> dead;
+    std::string who;
+    for (int p : gone) {
+      if (std::none_of(pending.begin(), pending.end(), [p](const Request* r) { return r->peer == p; })) continue;
+      const shm::RankSlot& slot = seg_.rank(p);
+      const bool closed = slot.departed.load(std::memory_order_acquire) != 0;
+      if (!who.empty()) who += ", ";
+      who += fmt::format("rank {} (pid {}) {}", p, slot.pid.load(std::memory_order_relaxed),
+                         closed ? "closed its transport" : "died");
+      dead.push_back(p);
+    }
+    if (dead.empty()) return;
+    throw TransportError(TransportError::Kind::peer_dead, dead,
+                         fmt::format("shm: {} while rank {} waited for: {}", who, rank_, describe(pending)), __FILE__,
+                         __LINE__);
+  }
+
+  Segment seg_;
+  const int rank_;
+  const int size_;
+  const size_t cap_;
+  const size_t mask_;
+  const pid_t pid_;
+  std::vector<Peer> peers_;  // by rank; the entry of this rank is unused
+  std::deque<Request*> self_sends_;
+  std::deque<Request*> self_recvs_;
+  std::unordered_map<RequestId, Request> requests_;  // node-based: Request* stay valid
+  RequestId next_id_ = 1;
+  std::exception_ptr broken_;
+  std::atomic<bool> in_use_{false};
+};
+
+Duration remaining(Deadline deadline) {
+  return std::max(Duration{0}, std::chrono::ceil<Duration>(deadline - Clock::now()));
+}
+
+// Ranks whose pid is not yet in the segment.
+std::vector<int> unmapped_ranks(const Segment& seg, int size) {
+  std::vector<int> missing;
+  for (int r = 0; r < size; ++r) {
+    if (seg.rank(r).pid.load(std::memory_order_acquire) == 0) missing.push_back(r);
+  }
+  return missing;
+}
+
+void join(const Segment& seg, int rank) {
+  shm::RankSlot& slot = seg.rank(rank);
+  const pid_t pid = ::getpid();
+  slot.start_time.store(shm::process_start_time(pid), std::memory_order_relaxed);
+  slot.pid.store(pid, std::memory_order_release);
+}
+
+// Waits until the last rank to map the segment set `ready_key`; names the absent ranks if not.
+void wait_ready(Store& store, const Segment& seg, const std::string& ready_key, int rank, int size, Duration timeout,
+                Deadline deadline) {
+  try {
+    (void)store.get(ready_key, remaining(deadline));
+  } catch (const CommError&) {
+    std::vector<int> missing = unmapped_ranks(seg, size);
+    throw TransportError(TransportError::Kind::timeout, missing,
+                         fmt::format("shm: rank {} waited {} ms for all {} ranks to map the segment; rank(s) {} "
+                                     "did not (store key '{}')",
+                                     rank, timeout.count(), size, fmt::join(missing, ", "), ready_key),
+                         __FILE__, __LINE__);
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& prefix, int rank, int size,
+                                              Duration timeout) {
+  DT_CHECK(size >= 1 && rank >= 0 && rank < size, "comm", "shm transport: rank {} is not in a group of size {}", rank,
+           size);
+  const Deadline deadline = deadline_after(timeout);
+  const std::string name_key = prefix + "/shm/name";
+  const std::string mapped_key = prefix + "/shm/mapped";
+  const std::string ready_key = prefix + "/shm/ready";
+
+  if (rank == 0) {
+    const std::string name = shm::make_segment_name(prefix);
+    Segment seg = Segment::create(name, size, shm::ring_bytes_from_env());
+    try {
+      join(seg, 0);
+      store.set(name_key, name);
+      if (size > 1) wait_ready(store, seg, ready_key, rank, size, timeout, deadline);
+    } catch (...) {
+      shm::unlink_segment(name);
+      throw;
+    }
+    // Everyone mapped it: from now on the mappings keep it alive and nothing can leak.
+    shm::unlink_segment(name);
+    return std::make_unique<ShmTransport>(std::move(seg), rank, size);
+  }
+
+  std::string name;
+  try {
+    name = store.get(name_key, remaining(deadline));
+  } catch (const CommError&) {
+    throw TransportError(TransportError::Kind::timeout, {0},
+                         fmt::format("shm: rank {} waited {} ms for rank 0 to publish the segment name (store key "
+                                     "'{}')",
+                                     rank, timeout.count(), name_key),
+                         __FILE__, __LINE__);
+  }
+  try {
+    Segment seg = Segment::open(name, size);
+    join(seg, rank);
+    if (store.add(mapped_key, 1) == size - 1) store.set(ready_key, "1");
+    wait_ready(store, seg, ready_key, rank, size, timeout, deadline);
+    return std::make_unique<ShmTransport>(std::move(seg), rank, size);
+  } catch (...) {
+    shm::unlink_segment(name);  // in case rank 0 is gone too: never leave it in /dev/shm
+    throw;
+  }
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,250 @@
+#include "dtrain/launch/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "dtrain/comm/store.h"
+#include "dtrain/core/error.h"
+
+extern char** environ;
+
+namespace dtrain::launch {
+
+namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  const char c = static_cast<char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &c, 1);
+}
+
+struct Worker {
+  int rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;  // stdout pipe
+  int err_fd = -1;  // stderr pipe
+  std::string out_buf, err_buf;
+  bool running = false;
+  WorkerExit exit;
+};
+
+// Writes complete lines of `buf` to `fd`, each prefixed; keeps the unfinished tail.
+void flush_lines(std::string& buf, int fd, const std::string& prefix, bool final) {
+  size_t start = 0;
+  while (true) {
+    const size_t nl = buf.find('\n', start);
+    if (nl == std::string::npos) break;
+    const std::string line = prefix + buf.substr(start, nl - start + 1);
+    [[maybe_unused]] ssize_t n = ::write(fd, line.data(), line.size());
+    start = nl + 1;
+  }
+  buf.erase(0, start);
+  if (final && !buf.empty()) {
+    const std::string line = prefix + buf + "\n";
+    [[maybe_unused]] ssize_t n = ::write(fd, line.data(), line.size());
+    buf.clear();
+  }
+}
+
+std::string describe(const WorkerExit& w) {
+  if (w.signal != 0) {
+    return fmt::format("rank {} (pid {}) was killed by signal {} ({}){}", w.rank, w.pid, w.signal,
+                       ::strsignal(w.signal), w.stopped_by_launcher ? " after the launcher stopped it" : "");
+  }
+  return fmt::format("rank {} (pid {}) exited with code {}{}", w.rank, w.pid, w.exit_code,
+                     w.stopped_by_launcher ? " after the launcher stopped it" : "");
+}
+
+}  // namespace
+
+LaunchResult run_launch(const LaunchOptions& o) {
+  DT_CHECK(!o.command.empty(), "launch", "no command to run (usage: dtrain launch -n N -- PROGRAM ARGS...)");
+  DT_CHECK(o.nproc_per_node >= 1 && o.nproc_per_node <= 1024, "launch", "-n {} out of range [1, 1024]",
+           o.nproc_per_node);
+  DT_CHECK(o.nnodes >= 1 && o.node_rank >= 0 && o.node_rank < o.nnodes, "launch",
+           "--node-rank {} out of range for --nnodes {}", o.node_rank, o.nnodes);
+  DT_CHECK(o.nnodes == 1 || o.master_port > 0, "launch", "--master-port is required with --nnodes {}", o.nnodes);
+  DT_CHECK(o.master_port >= 0 && o.master_port < 65536, "launch", "--master-port {} out of range", o.master_port);
+
+  std::string secret = o.secret;
+  if (secret.empty()) {
+    const char* env = std::getenv("DTRAIN_SECRET");
+    DT_CHECK(o.nnodes == 1 || env != nullptr, "launch",
+             "multi-node jobs need the same DTRAIN_SECRET on every node (export it before dtrain launch)");
+    secret = env != nullptr ? env : comm::make_secret();
+  }
+  // Node 0 hosts the rendezvous store for the whole job.
+  std::unique_ptr<comm::TcpStoreServer> server;
+  int port = o.master_port;
+  if (o.node_rank == 0) {
+    server = std::make_unique<comm::TcpStoreServer>(o.master_addr, static_cast<uint16_t>(port), secret);
+    port = server->port();
+  }
+
+  DT_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "launch", "pipe: {}", std::strerror(errno));
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  struct sigaction old_int {}, old_term {};
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+
+  const int world = o.nnodes * o.nproc_per_node;
+  std::vector<Worker> workers(static_cast<size_t>(o.nproc_per_node));
+  for (int local = 0; local < o.nproc_per_node; ++local) {
+    Worker& w = workers[static_cast<size_t>(local)];
+    w.rank = o.node_rank * o.nproc_per_node + local;
+    int out[2], err[2];
+    DT_CHECK(::pipe2(out, O_CLOEXEC) == 0 && ::pipe2(err, O_CLOEXEC) == 0, "launch", "pipe: {}",
+             std::strerror(errno));
+    const pid_t pid = ::fork();
+    DT_CHECK(pid >= 0, "launch", "fork failed: {}", std::strerror(errno));
+    if (pid == 0) {
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::setenv("RANK", std::to_string(w.rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node).c_str(), 1);
+      ::setenv("NODE_RANK", std::to_string(o.node_rank).c_str(), 1);
+      ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("DTRAIN_SECRET", secret.c_str(), 1);
+      ::setenv("DTRAIN_STORE_HOSTED", "1", 1);
+      std::vector<char*> argv;
+      for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      std::fprintf(stderr, "dtrain launch: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    ::close(err[1]);
+    w.pid = pid;
+    w.out_fd = out[0];
+    w.err_fd = err[0];
+    w.running = true;
+    w.exit.rank = w.rank;
+    w.exit.pid = pid;
+  }
+
+  LaunchResult result;
+  bool stopping = false;
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  int received_signal = 0;
+  auto stop_all = [&](int sig) {
+    for (auto& w : workers) {
+      if (w.running) {
+        ::kill(w.pid, sig);
+        w.exit.stopped_by_launcher = true;
+      }
+    }
+  };
+
+  while (true) {
+    std::vector<pollfd> fds;
+    fds.push_back({g_signal_pipe[0], POLLIN, 0});
+    for (auto& w : workers) {
+      if (w.out_fd >= 0) fds.push_back({w.out_fd, POLLIN, 0});
+      if (w.err_fd >= 0) fds.push_back({w.err_fd, POLLIN, 0});
+    }
+    ::poll(fds.data(), fds.size(), 100);
+    // Signals: forward, then escalate after the grace period.
+    char c;
+    while (::read(g_signal_pipe[0], &c, 1) == 1) {
+      received_signal = c;
+      if (!stopping) {
+        stopping = true;
+        stop_deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
+      }
+      stop_all(c);
+    }
+    // Output.
+    for (auto& w : workers) {
+      for (int* fd : {&w.out_fd, &w.err_fd}) {
+        if (*fd < 0) continue;
+        pollfd p{*fd, POLLIN, 0};
+        if (::poll(&p, 1, 0) <= 0) continue;
+        char buf[65536];
+        const ssize_t n = ::read(*fd, buf, sizeof(buf));
+        std::string& acc = fd == &w.out_fd ? w.out_buf : w.err_buf;
+        const int target = fd == &w.out_fd ? STDOUT_FILENO : STDERR_FILENO;
+        const std::string prefix = o.prefix_output ? fmt::format("[rank {}] ", w.rank) : "";
+        if (n > 0) {
+          acc.append(buf, static_cast<size_t>(n));
+          flush_lines(acc, target, prefix, false);
+        } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+          flush_lines(acc, target, prefix, true);
+          ::close(*fd);
+          *fd = -1;
+        }
+      }
+    }
+    // Exits.
+    for (auto& w : workers) {
+      if (!w.running) continue;
+      int status = 0;
+      if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+      w.running = false;
+      if (WIFSIGNALED(status)) {
+        w.exit.signal = WTERMSIG(status);
+      } else {
+        w.exit.exit_code = WEXITSTATUS(status);
+      }
+      const bool failed = w.exit.signal != 0 || w.exit.exit_code != 0;
+      if (failed && !stopping) {
+        stopping = true;
+        result.report += describe(w.exit) + "\n";
+        stop_deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
+        stop_all(SIGTERM);
+      }
+    }
+    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+      stop_all(SIGKILL);
+      stop_deadline = std::chrono::steady_clock::time_point::max();
+    }
+    bool any = false;
+    for (auto& w : workers) any = any || w.running || w.out_fd >= 0 || w.err_fd >= 0;
+    if (!any) break;
+  }
+
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  ::close(g_signal_pipe[0]);
+  ::close(g_signal_pipe[1]);
+
+  for (auto& w : workers) {
+    result.workers.push_back(w.exit);
+    if (w.exit.signal != 0 || w.exit.exit_code != 0) result.exit_code = 1;
+  }
+  if (received_signal != 0) {
+    result.report += fmt::format("stopped by signal {} ({})\n", received_signal, ::strsignal(received_signal));
+    result.exit_code = 128 + received_signal;
+  }
+  if (result.exit_code != 0) {
+    for (const auto& w : result.workers) {
+      if (result.report.find(fmt::format("rank {} ", w.rank)) == std::string::npos) {
+        result.report += describe(w) + "\n";
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace dtrain::launch

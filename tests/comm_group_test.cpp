@@ -1,0 +1,151 @@
+// Group: collectives through the real shared-memory transport, ranks as threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <numeric>
+#include <thread>
+
+#include "dtrain/comm/group.h"
+
+using namespace dtrain::comm;
+
+namespace {
+
+// Runs fn(group) on `size` threads joined through one in-memory store; rethrows the first
+// failure on the test thread.
+void run_ranks(int size, const std::function<void(Group&)>& fn, GroupOptions opts = {}) {
+  auto store = make_memory_store();
+  static std::atomic<int> job{0};
+  const std::string name = "test" + std::to_string(job++);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        Group g = Group::create(store, r, size, opts, name);
+        fn(g);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+class GroupSizes : public ::testing::TestWithParam<int> {};
+
+TEST_P(GroupSizes, AllReduceSumIsExactAndIdenticalOnEveryRank) {
+  const int p = GetParam();
+  for (size_t count : {size_t{0}, size_t{1}, size_t{13}, size_t{4099}, size_t{1} << 18}) {
+    run_ranks(p, [&](Group& g) {
+      std::vector<float> x(count);
+      for (size_t i = 0; i < count; ++i) x[i] = static_cast<float>((g.rank() + 1) * 10 + static_cast<int>(i % 7));
+      std::vector<float> out(count);
+      g.all_reduce(x.data(), out.data(), count, DataType::f32, ReduceOp::sum);
+      for (size_t i = 0; i < count; ++i) {
+        const float expected = static_cast<float>(10 * p * (p + 1) / 2 + p * static_cast<int>(i % 7));
+        ASSERT_EQ(out[i], expected) << "rank " << g.rank() << " element " << i << " count " << count;
+      }
+      g.all_reduce(x.data(), x.data(), count, DataType::f32, ReduceOp::avg);  // in place
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_FLOAT_EQ(x[i], out[i] / static_cast<float>(p)) << "avg, element " << i;
+      }
+    });
+  }
+}
+
+TEST_P(GroupSizes, BroadcastGatherScatterAllToAllBarrier) {
+  const int p = GetParam();
+  run_ranks(p, [&](Group& g) {
+    const int r = g.rank();
+    for (int root = 0; root < p; ++root) {
+      std::vector<int32_t> b(37, r == root ? root * 100 : -1);
+      g.broadcast(b.data(), b.size(), DataType::i32, root);
+      for (int32_t v : b) ASSERT_EQ(v, root * 100);
+    }
+    std::vector<int64_t> mine(3, r), all(static_cast<size_t>(3 * p), -1);
+    g.all_gather(mine.data(), all.data(), 3, DataType::i64);
+    for (int q = 0; q < p; ++q) ASSERT_EQ(all[static_cast<size_t>(3 * q + 2)], q);
+    std::vector<double> src(static_cast<size_t>(2 * p)), dst(2);
+    for (int q = 0; q < p; ++q) src[static_cast<size_t>(2 * q)] = src[static_cast<size_t>(2 * q + 1)] = q + r;
+    g.reduce_scatter(src.data(), dst.data(), 2, DataType::f64, ReduceOp::sum);
+    ASSERT_EQ(dst[0], static_cast<double>(r * p + p * (p - 1) / 2));
+    std::vector<uint8_t> a2a_in(static_cast<size_t>(p)), a2a_out(static_cast<size_t>(p));
+    for (int q = 0; q < p; ++q) a2a_in[static_cast<size_t>(q)] = static_cast<uint8_t>(r * 16 + q);
+    g.all_to_all(a2a_in.data(), a2a_out.data(), 1, DataType::u8);
+    for (int q = 0; q < p; ++q) ASSERT_EQ(a2a_out[static_cast<size_t>(q)], q * 16 + r);
+    g.barrier();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, GroupSizes, ::testing::Values(1, 2, 3, 4, 5, 8));
+
+TEST(Group, SplitFormsSubGroupsOrderedByKey) {
+  run_ranks(6, [](Group& g) {
+    Group sub = g.split(g.rank() % 2, -g.rank());  // reverse order inside each color
+    ASSERT_EQ(sub.size(), 3);
+    EXPECT_EQ(sub.rank(), 2 - g.rank() / 2);
+    int32_t v = g.rank();
+    int32_t sum = 0;
+    sub.all_reduce(&v, &sum, 1, DataType::i32, ReduceOp::sum);
+    EXPECT_EQ(sum, g.rank() % 2 == 0 ? 0 + 2 + 4 : 1 + 3 + 5);
+    Group none = g.split(g.rank() == 0 ? -1 : 0, 0);
+    EXPECT_EQ(none.size(), g.rank() == 0 ? 0 : 5);
+  });
+}
+
+TEST(Group, SendRecvInOrderAndAsyncCollectivesCompleteInIssueOrder) {
+  run_ranks(2, [](Group& g) {
+    std::vector<float> a(1000, static_cast<float>(g.rank())), b(1000), c(1 << 16, 1.0f), d(1 << 16);
+    Work w1 = g.all_reduce_async(a.data(), b.data(), a.size(), DataType::f32, ReduceOp::sum);
+    Work w2 = g.all_reduce_async(c.data(), d.data(), c.size(), DataType::f32, ReduceOp::max);
+    w2.wait();
+    EXPECT_TRUE(w1.test());  // issued first, so finished first
+    EXPECT_EQ(b[0], 1.0f);
+    EXPECT_EQ(d[5], 1.0f);
+    if (g.rank() == 0) {
+      int64_t x = 41, y = 42;
+      g.send(&x, 1, DataType::i64, 1, 7);
+      g.send(&y, 1, DataType::i64, 1, 8);
+    } else {
+      int64_t x = 0, y = 0;
+      g.recv(&x, 1, DataType::i64, 0, 7);
+      g.recv(&y, 1, DataType::i64, 0, 8);
+      EXPECT_EQ(x, 41);
+      EXPECT_EQ(y, 42);
+    }
+  });
+}
+
+TEST(Group, TimeoutNamesTheRankThatDidNotArriveAndBreaksTheGroup) {
+  GroupOptions opts;
+  opts.timeout = std::chrono::milliseconds(500);
+  std::atomic<bool> rank0_raised{false};
+  run_ranks(
+      3,
+      [&](Group& g) {
+        if (g.rank() == 2) return;  // never joins the all_reduce
+        float x = 1, y = 0;
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          g.all_reduce(&x, &y, 1, DataType::f32, ReduceOp::sum);
+          ADD_FAILURE() << "all_reduce returned without rank 2";
+        } catch (const CommError& e) {
+          const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          EXPECT_LT(s, 3.0) << e.what();
+          EXPECT_EQ(e.op(), "all_reduce");
+          EXPECT_EQ(e.seq(), 0u);
+          if (g.rank() == 0) rank0_raised = true;
+        }
+        EXPECT_THROW(g.barrier(), CommError);  // broken group fails at once
+      },
+      opts);
+  EXPECT_TRUE(rank0_raised);
+}
+
+}  // namespace
