@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -182,6 +183,42 @@ TEST_F(Cli, CorruptedModelFileIsRefused) {
   ProcessResult r3 = dtrain("diff " + path("foreign.dtm") + " " + path("a.dtm"));
   EXPECT_EQ(r3.code, 2) << r3.output;
   EXPECT_NE(r3.output.find("not a dtrain model file"), std::string::npos) << r3.output;
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
+  ProcessResult r = dtrain("launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "
+                           "${#DTRAIN_SECRET} $MASTER_ADDR'",
+                           60);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string line = "[rank " + std::to_string(rank) + "] id " + std::to_string(rank) + "/3/" +
+                             std::to_string(rank) + "/3 64 127.0.0.1";
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in: " << r.output;
+  }
+}
+
+TEST(Launch, OneFailingWorkerStopsTheRestAndIsReported) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ProcessResult r = dtrain("launch -n 3 --grace 1 -- sh -c 'if [ $RANK = 1 ]; then exit 3; fi; sleep 60'", 60);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_LT(s, 20.0) << "the launcher did not stop the other workers";
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("after the launcher stopped it"), std::string::npos) << r.output;
+}
+
+TEST(Launch, BadOptionsAreRefusedBeforeStartingAnything) {
+  ProcessResult r = dtrain("launch -n 0 -- true", 30);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("-n 0"), std::string::npos) << r.output;
+  ProcessResult r2 = dtrain("launch -n 1 -- /nonexistent/program", 30);
+  EXPECT_NE(r2.code, 0);
+  EXPECT_NE(r2.output.find("cannot execute"), std::string::npos) << r2.output;
 }
 
 }  // namespace

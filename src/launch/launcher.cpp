@@ -112,6 +112,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
     const pid_t pid = ::fork();
     DT_CHECK(pid >= 0, "launch", "fork failed: {}", std::strerror(errno));
     if (pid == 0) {
+      ::setpgid(0, 0);  // its own process group, so stopping a worker stops its children too
       ::dup2(out[1], STDOUT_FILENO);
       ::dup2(err[1], STDERR_FILENO);
       ::signal(SIGINT, SIG_DFL);
@@ -132,6 +133,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
       std::fprintf(stderr, "dtrain launch: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
       ::_exit(127);
     }
+    ::setpgid(pid, pid);  // also here: whichever runs first wins the race
     ::close(out[1]);
     ::close(err[1]);
     w.pid = pid;
@@ -146,11 +148,13 @@ LaunchResult run_launch(const LaunchOptions& o) {
   bool stopping = false;
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   int received_signal = 0;
+  // Signals each worker's process group (the worker and anything it started) while it runs
+  // or still holds its output open.
   auto stop_all = [&](int sig) {
     for (auto& w : workers) {
-      if (w.running) {
-        ::kill(w.pid, sig);
-        w.exit.stopped_by_launcher = true;
+      if (w.running || w.out_fd >= 0 || w.err_fd >= 0) {
+        ::kill(-w.pid, sig);
+        if (w.running) w.exit.stopped_by_launcher = true;
       }
     }
   };
