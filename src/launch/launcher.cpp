@@ -148,16 +148,17 @@ LaunchResult run_launch(const LaunchOptions& o) {
   bool stopping = false;
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   int received_signal = 0;
-  // Signals each worker's process group (the worker and anything it started) while it runs
-  // or still holds its output open.
+  // Signals each running worker's process group (the worker and anything it started). A
+  // reaped worker is never signalled: its pid may already belong to someone else.
   auto stop_all = [&](int sig) {
     for (auto& w : workers) {
-      if (w.running || w.out_fd >= 0 || w.err_fd >= 0) {
+      if (w.running) {
         ::kill(-w.pid, sig);
-        if (w.running) w.exit.stopped_by_launcher = true;
+        w.exit.stopped_by_launcher = true;
       }
     }
   };
+  auto all_exited_at = std::chrono::steady_clock::time_point::max();
 
   while (true) {
     std::vector<pollfd> fds;
@@ -223,9 +224,28 @@ LaunchResult run_launch(const LaunchOptions& o) {
       stop_all(SIGKILL);
       stop_deadline = std::chrono::steady_clock::time_point::max();
     }
-    bool any = false;
-    for (auto& w : workers) any = any || w.running || w.out_fd >= 0 || w.err_fd >= 0;
-    if (!any) break;
+    bool running = false, open = false;
+    for (auto& w : workers) {
+      running = running || w.running;
+      open = open || w.out_fd >= 0 || w.err_fd >= 0;
+    }
+    if (!running && !open) break;
+    // Every worker exited but something they started still holds their output: stop reading
+    // after a grace period instead of waiting on it forever.
+    if (!running && all_exited_at == std::chrono::steady_clock::time_point::max()) {
+      all_exited_at = std::chrono::steady_clock::now();
+    }
+    if (!running && std::chrono::steady_clock::now() - all_exited_at > std::chrono::seconds(2)) {
+      for (auto& w : workers) {
+        for (int* fd : {&w.out_fd, &w.err_fd}) {
+          if (*fd >= 0) {
+            ::close(*fd);
+            *fd = -1;
+          }
+        }
+      }
+      break;
+    }
   }
 
   sigaction(SIGINT, &old_int, nullptr);
