@@ -62,19 +62,23 @@ void write_all(int fd, const std::string& data, const std::string& path) {
   }
 }
 
+std::string hex_encode(const unsigned char* bytes, unsigned int len) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned int i = 0; i < len; ++i) {
+    out.push_back(hex[bytes[i] >> 4]);
+    out.push_back(hex[bytes[i] & 15]);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string sha256_hex(const void* data, size_t size) {
   unsigned char digest[kDigestBytes];
   unsigned int len = 0;
   DT_CHECK(EVP_Digest(data, size, digest, &len, EVP_sha256(), nullptr) == 1, "model", "SHA-256 failed");
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned int i = 0; i < len; ++i) {
-    out.push_back(hex[digest[i] >> 4]);
-    out.push_back(hex[digest[i] & 15]);
-  }
-  return out;
+  return hex_encode(digest, len);
 }
 
 std::string params_digest(const std::vector<nn::NamedTensor>& tensors) {
@@ -87,13 +91,7 @@ std::string params_digest(const std::vector<nn::NamedTensor>& tensors) {
   unsigned char digest[kDigestBytes];
   unsigned int len = 0;
   EVP_DigestFinal_ex(ctx.get(), digest, &len);
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned int i = 0; i < len; ++i) {
-    out.push_back(hex[digest[i] >> 4]);
-    out.push_back(hex[digest[i] & 15]);
-  }
-  return out;
+  return hex_encode(digest, len);
 }
 
 void save_model(const std::string& path, const ModelFile& file) {
