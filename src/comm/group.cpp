@@ -83,6 +83,7 @@ struct Group::Impl {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> queue;
+  bool busy = false;  // an operation runs, on the progress thread or inline in a blocking call
   bool stopping = false;
   std::thread worker;
   uint64_t collective_seq = 0;  // identical on every rank: all ranks issue the same collectives
@@ -103,12 +104,18 @@ struct Group::Impl {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stopping || !queue.empty(); });
+        cv.wait(lock, [&] { return (stopping && queue.empty()) || (!queue.empty() && !busy); });
         if (queue.empty()) return;  // stopping and drained
         task = std::move(queue.front());
         queue.pop_front();
+        busy = true;
       }
       task();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        busy = false;
+      }
+      cv.notify_all();
     }
   }
 
@@ -116,54 +123,90 @@ struct Group::Impl {
     if (transport) transport->abort(reason);
   }
 
-  // Queues `body` and returns its Work. body(seq, deadline) runs on the progress thread.
-  Work submit(const std::string& op, bool collective, std::function<void(uint64_t, Deadline)> body) {
+  // Runs body(seq, deadline) in issue order and returns its Work. A blocking call issued while
+  // nothing is queued or running runs inline in the caller's thread (no hand-off to the
+  // progress thread: this is the latency of small collectives); everything else is queued.
+  Work dispatch(const std::string& op, bool collective, bool blocking,
+                std::function<void(uint64_t, Deadline)> body) {
     auto state = std::make_shared<Work::State>();
     state->op = op;
     state->default_timeout = options.timeout;
     state->on_abandon = [this](const std::string& reason) { abort(reason); };
+    std::function<void()> task;
+    bool run_now = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       state->seq = collective ? collective_seq++ : p2p_seq++;
-      const uint64_t seq = state->seq;
-      queue.emplace_back([this, state, seq, op, body = std::move(body)] {
-        if (broken) {
-          try {
-            std::rethrow_exception(broken);
-          } catch (const std::exception& e) {
-            state->finish(std::make_exception_ptr(
-                CommError(op, seq, {}, fmt::format("group '{}' is broken by an earlier failure: {}", name, e.what()),
-                          __FILE__, __LINE__)));
-          }
-          return;
-        }
-        try {
-          body(seq, deadline_after(options.timeout));
-          state->finish(nullptr);
-        } catch (const TransportError& e) {
-          auto err = std::make_exception_ptr(CommError(op, seq, e.peers(), e.message(), __FILE__, __LINE__));
-          broken = err;
-          if (e.kind() != TransportError::Kind::aborted) abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.message()));
-          state->finish(err);
-        } catch (const std::exception& e) {
-          auto err = std::make_exception_ptr(CommError(op, seq, {}, e.what(), __FILE__, __LINE__));
-          broken = err;
-          abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.what()));
-          state->finish(err);
-        }
-      });
+      task = [this, state, op, body = std::move(body)] { execute_task(*state, op, body); };
+      if (blocking && queue.empty() && !busy) {
+        busy = true;
+        run_now = true;
+      } else {
+        queue.push_back(task);
+      }
+    }
+    if (run_now) {
+      task();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        busy = false;
+      }
     }
     cv.notify_all();
     return Work(state);
+  }
+
+  void execute_task(Work::State& state, const std::string& op, const std::function<void(uint64_t, Deadline)>& body) {
+    const uint64_t seq = state.seq;
+    if (broken) {
+      try {
+        std::rethrow_exception(broken);
+      } catch (const std::exception& e) {
+        state.finish(std::make_exception_ptr(
+            CommError(op, seq, {}, fmt::format("group '{}' is broken by an earlier failure: {}", name, e.what()),
+                      __FILE__, __LINE__)));
+      }
+      return;
+    }
+    try {
+      body(seq, deadline_after(options.timeout));
+      state.finish(nullptr);
+    } catch (const TransportError& e) {
+      auto err = std::make_exception_ptr(CommError(op, seq, e.peers(), e.message(), __FILE__, __LINE__));
+      broken = err;
+      if (e.kind() != TransportError::Kind::aborted) {
+        abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.message()));
+      }
+      state.finish(err);
+    } catch (const std::exception& e) {
+      auto err = std::make_exception_ptr(CommError(op, seq, {}, e.what(), __FILE__, __LINE__));
+      broken = err;
+      abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.what()));
+      state.finish(err);
+    }
+  }
+
+  // The transport's native collectives when the algorithm is auto or direct and it has them.
+  DirectCollectives* direct_for(Algorithm requested) const {
+    if (requested != Algorithm::automatic && requested != Algorithm::direct) return nullptr;
+    return transport->direct();
   }
 
   Algorithm algorithm_for(size_t bytes) const {
     return options.algorithm == Algorithm::automatic ? choose_all_reduce(bytes, size) : options.algorithm;
   }
 
-  Work run_plan(const std::string& op, Plan plan, const void* in, void* out, DataType dtype, ReduceOp rop) {
-    return submit(op, true, [this, plan = std::move(plan), in, out, dtype, rop](uint64_t seq, Deadline deadline) {
-      execute(plan, *transport, in, out, dtype, rop, seq << 20, deadline);
+  Work run_plan(const std::string& op, Plan plan, const void* in, void* out, DataType dtype, ReduceOp rop,
+                bool blocking) {
+    return dispatch(op, true, blocking,
+                    [this, plan = std::move(plan), in, out, dtype, rop](uint64_t seq, Deadline deadline) {
+                      execute(plan, *transport, in, out, dtype, rop, seq << 20, deadline);
+                    });
+  }
+
+  Work run_direct(const std::string& op, bool blocking, std::function<void(DirectCollectives&, Deadline)> body) {
+    return dispatch(op, true, blocking, [this, body = std::move(body)](uint64_t, Deadline deadline) {
+      body(*transport->direct(), deadline);
     });
   }
 };
@@ -222,6 +265,9 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
   DT_CHECK(kind == "shm", "comm", "group '{}': ranks span several hosts but the TCP transport is not available yet",
            name);
   impl->transport = make_shm_transport(*store, name, rank, size, options.timeout);
+  DT_CHECK(options.algorithm != Algorithm::direct || impl->transport->direct() != nullptr, "comm",
+           "group '{}': algorithm 'direct' needs a transport with native collectives (shm), not {}", name,
+           impl->transport->kind());
   impl->kind = impl->transport->kind();
   impl->worker = std::thread([raw = impl.get()] { raw->run(); });
   return Group(impl);
@@ -256,6 +302,16 @@ const std::string& Group::transport_kind() const {
 
 Group Group::split(int color, int key) const {
   DT_CHECK(impl_ != nullptr, "comm", "split on an empty group");
+  return split(color, key, impl_->options);
+}
+
+Algorithm Group::all_reduce_algorithm(size_t bytes) const {
+  const Impl& g = impl("all_reduce_algorithm");
+  return g.direct_for(g.options.algorithm) != nullptr ? Algorithm::direct : g.algorithm_for(bytes);
+}
+
+Group Group::split(int color, int key, const GroupOptions& options) const {
+  DT_CHECK(impl_ != nullptr, "comm", "split on an empty group");
   const int n = size();
   std::vector<int32_t> mine = {color, key};
   std::vector<int32_t> all(static_cast<size_t>(2 * n));
@@ -271,139 +327,206 @@ Group Group::split(int color, int key) const {
   for (size_t i = 0; i < members.size(); ++i) {
     if (members[i].second == rank()) new_rank = static_cast<int>(i);
   }
-  return create(impl_->store, new_rank, static_cast<int>(members.size()), impl_->options,
+  return create(impl_->store, new_rank, static_cast<int>(members.size()), options,
                 fmt::format("{}/split{}/color{}", impl_->name, split_id, color));
 }
 
 // ---------------------------------------------------------------------------------- collectives
+//
+// Each collective is written once, with a `blocking` flag: the blocking form may run inline.
+
+namespace {
+
+using Impl = Group::Impl;
+
+Work all_reduce_impl(Impl& g, const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, bool blocking) {
+  if (g.direct_for(g.options.algorithm) != nullptr) {
+    return g.run_direct("all_reduce", blocking, [=](DirectCollectives& d, Deadline deadline) {
+      d.all_reduce(send, recv, count, dtype, op, deadline);
+    });
+  }
+  Plan plan = plan_all_reduce(g.algorithm_for(count * size_of(dtype)), g.rank, g.size, count);
+  return g.run_plan("all_reduce", std::move(plan), send, recv, dtype, op, blocking);
+}
+
+// The group's algorithm where it applies to reduce_scatter / all_gather, else the ring.
+Algorithm reduce_scatter_algorithm(const Impl& g) {
+  const Algorithm a = g.options.algorithm;
+  return a == Algorithm::halving_doubling ? a : Algorithm::ring;
+}
+
+Algorithm all_gather_algorithm(const Impl& g) {
+  const Algorithm a = g.options.algorithm;
+  return a == Algorithm::halving_doubling || a == Algorithm::recursive_doubling ? a : Algorithm::ring;
+}
+
+Work reduce_scatter_impl(Impl& g, const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op,
+                         bool blocking) {
+  if (g.direct_for(g.options.algorithm) != nullptr) {
+    return g.run_direct("reduce_scatter", blocking, [=](DirectCollectives& d, Deadline deadline) {
+      d.reduce_scatter(send, recv, recv_count, dtype, op, deadline);
+    });
+  }
+  std::vector<size_t> counts(static_cast<size_t>(g.size), recv_count);
+  return g.run_plan("reduce_scatter", plan_reduce_scatter(reduce_scatter_algorithm(g), g.rank, g.size, counts), send,
+                    recv, dtype, op, blocking);
+}
+
+Work all_gather_impl(Impl& g, const void* send, void* recv, size_t send_count, DataType dtype, bool blocking) {
+  if (g.direct_for(g.options.algorithm) != nullptr) {
+    return g.run_direct("all_gather", blocking, [=](DirectCollectives& d, Deadline deadline) {
+      d.all_gather(send, recv, send_count, dtype, deadline);
+    });
+  }
+  std::vector<size_t> counts(static_cast<size_t>(g.size), send_count);
+  return g.run_plan("all_gather", plan_all_gather(all_gather_algorithm(g), g.rank, g.size, counts), send, recv,
+                    dtype, ReduceOp::sum, blocking);
+}
+
+Work broadcast_impl(Impl& g, void* buffer, size_t count, DataType dtype, int root, bool blocking) {
+  check_root(root, g.size, "broadcast");
+  if (g.direct_for(g.options.algorithm) != nullptr) {
+    return g.run_direct("broadcast", blocking, [=](DirectCollectives& d, Deadline deadline) {
+      d.broadcast(buffer, count, dtype, root, deadline);
+    });
+  }
+  return g.run_plan("broadcast", plan_broadcast(Algorithm::binomial, g.rank, g.size, count, root), buffer, buffer,
+                    dtype, ReduceOp::sum, blocking);
+}
+
+void check_peer(const Impl& g, int peer, const char* op) {
+  DT_CHECK(peer >= 0 && peer < g.size && peer != g.rank, "comm", "{}: peer {} invalid for rank {} of {}", op, peer,
+           g.rank, g.size);
+}
+
+Work p2p_impl(Impl& g, bool is_send, void* buffer, size_t count, DataType dtype, int peer, uint32_t tag,
+              bool blocking) {
+  check_peer(g, peer, is_send ? "send" : "recv");
+  const size_t bytes = count * size_of(dtype);
+  return g.dispatch(is_send ? "send" : "recv", false, blocking,
+                    [&g, is_send, buffer, bytes, peer, tag](uint64_t, Deadline deadline) {
+                      Transport& t = *g.transport;
+                      const uint64_t wire_tag = (uint64_t{1} << 63) | tag;
+                      t.wait({is_send ? t.post_send(peer, wire_tag, buffer, bytes)
+                                      : t.post_recv(peer, wire_tag, buffer, bytes)},
+                             deadline);
+                    });
+}
+
+}  // namespace
+
+Impl& Group::impl(const char* op) const {
+  DT_CHECK(impl_ != nullptr, "comm", "{} on an empty group", op);
+  return *impl_;
+}
 
 Work Group::all_reduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
-  DT_CHECK(impl_ != nullptr, "comm", "all_reduce on an empty group");
-  Plan plan = plan_all_reduce(impl_->algorithm_for(count * size_of(dtype)), rank(), size(), count);
-  return impl_->run_plan("all_reduce", std::move(plan), send, recv, dtype, op);
+  return all_reduce_impl(impl("all_reduce"), send, recv, count, dtype, op, false);
 }
 
 Work Group::reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) {
-  DT_CHECK(impl_ != nullptr, "comm", "reduce_scatter on an empty group");
-  std::vector<size_t> counts(static_cast<size_t>(size()), recv_count);
-  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
-  return impl_->run_plan("reduce_scatter", plan_reduce_scatter(a, rank(), size(), counts), send, recv, dtype, op);
+  return reduce_scatter_impl(impl("reduce_scatter"), send, recv, recv_count, dtype, op, false);
 }
 
 Work Group::all_gather_async(const void* send, void* recv, size_t send_count, DataType dtype) {
-  DT_CHECK(impl_ != nullptr, "comm", "all_gather on an empty group");
-  std::vector<size_t> counts(static_cast<size_t>(size()), send_count);
-  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
-  return impl_->run_plan("all_gather", plan_all_gather(a, rank(), size(), counts), send, recv, dtype, ReduceOp::sum);
+  return all_gather_impl(impl("all_gather"), send, recv, send_count, dtype, false);
 }
 
 Work Group::broadcast_async(void* buffer, size_t count, DataType dtype, int root) {
-  DT_CHECK(impl_ != nullptr, "comm", "broadcast on an empty group");
-  check_root(root, size(), "broadcast");
-  return impl_->run_plan("broadcast", plan_broadcast(Algorithm::binomial, rank(), size(), count, root), buffer,
-                         buffer, dtype, ReduceOp::sum);
+  return broadcast_impl(impl("broadcast"), buffer, count, dtype, root, false);
 }
 
 Work Group::send_async(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
-  DT_CHECK(impl_ != nullptr, "comm", "send on an empty group");
-  DT_CHECK(peer >= 0 && peer < size() && peer != rank(), "comm", "send: peer {} invalid for rank {} of {}", peer,
-           rank(), size());
-  const size_t bytes = count * size_of(dtype);
-  return impl_->submit("send", false, [this, buffer, bytes, peer, tag](uint64_t, Deadline deadline) {
-    Transport& t = *impl_->transport;
-    t.wait({t.post_send(peer, (uint64_t{1} << 63) | tag, buffer, bytes)}, deadline);
-  });
+  return p2p_impl(impl("send"), true, const_cast<void*>(buffer), count, dtype, peer, tag, false);
 }
 
 Work Group::recv_async(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
-  DT_CHECK(impl_ != nullptr, "comm", "recv on an empty group");
-  DT_CHECK(peer >= 0 && peer < size() && peer != rank(), "comm", "recv: peer {} invalid for rank {} of {}", peer,
-           rank(), size());
-  const size_t bytes = count * size_of(dtype);
-  return impl_->submit("recv", false, [this, buffer, bytes, peer, tag](uint64_t, Deadline deadline) {
-    Transport& t = *impl_->transport;
-    t.wait({t.post_recv(peer, (uint64_t{1} << 63) | tag, buffer, bytes)}, deadline);
-  });
+  return p2p_impl(impl("recv"), false, buffer, count, dtype, peer, tag, false);
 }
 
 void Group::all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
-  all_reduce_async(send, recv, count, dtype, op).wait();
+  all_reduce_impl(impl("all_reduce"), send, recv, count, dtype, op, true).wait();
 }
 
 void Group::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) {
-  reduce_scatter_async(send, recv, recv_count, dtype, op).wait();
+  reduce_scatter_impl(impl("reduce_scatter"), send, recv, recv_count, dtype, op, true).wait();
 }
 
 void Group::reduce_scatter_v(const void* send, void* recv, const std::vector<size_t>& counts, DataType dtype,
                              ReduceOp op) {
-  DT_CHECK(impl_ != nullptr, "comm", "reduce_scatter_v on an empty group");
+  Impl& g = impl("reduce_scatter_v");
   DT_CHECK(counts.size() == static_cast<size_t>(size()), "comm", "reduce_scatter_v: {} counts for a group of {}",
            counts.size(), size());
-  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
-  impl_->run_plan("reduce_scatter_v", plan_reduce_scatter(a, rank(), size(), counts), send, recv, dtype, op).wait();
+  g.run_plan("reduce_scatter_v", plan_reduce_scatter(reduce_scatter_algorithm(g), rank(), size(), counts), send,
+             recv, dtype, op, true)
+      .wait();
 }
 
 void Group::all_gather(const void* send, void* recv, size_t send_count, DataType dtype) {
-  all_gather_async(send, recv, send_count, dtype).wait();
+  all_gather_impl(impl("all_gather"), send, recv, send_count, dtype, true).wait();
 }
 
 void Group::all_gather_v(const void* send, void* recv, const std::vector<size_t>& counts, DataType dtype) {
-  DT_CHECK(impl_ != nullptr, "comm", "all_gather_v on an empty group");
+  Impl& g = impl("all_gather_v");
   DT_CHECK(counts.size() == static_cast<size_t>(size()), "comm", "all_gather_v: {} counts for a group of {}",
            counts.size(), size());
-  Algorithm a = impl_->options.algorithm == Algorithm::automatic ? Algorithm::ring : impl_->options.algorithm;
-  impl_->run_plan("all_gather_v", plan_all_gather(a, rank(), size(), counts), send, recv, dtype, ReduceOp::sum)
+  g.run_plan("all_gather_v", plan_all_gather(all_gather_algorithm(g), rank(), size(), counts), send, recv, dtype,
+             ReduceOp::sum, true)
       .wait();
 }
 
 void Group::broadcast(void* buffer, size_t count, DataType dtype, int root) {
-  broadcast_async(buffer, count, dtype, root).wait();
+  broadcast_impl(impl("broadcast"), buffer, count, dtype, root, true).wait();
 }
 
 void Group::reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) {
-  DT_CHECK(impl_ != nullptr, "comm", "reduce on an empty group");
+  Impl& g = impl("reduce");
   check_root(root, size(), "reduce");
-  impl_->run_plan("reduce", plan_reduce(Algorithm::binomial, rank(), size(), count, root), send, recv, dtype, op)
+  g.run_plan("reduce", plan_reduce(Algorithm::binomial, rank(), size(), count, root), send, recv, dtype, op, true)
       .wait();
 }
 
 void Group::gather(const void* send, void* recv, size_t count, DataType dtype, int root) {
-  DT_CHECK(impl_ != nullptr, "comm", "gather on an empty group");
+  Impl& g = impl("gather");
   check_root(root, size(), "gather");
   std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  impl_->run_plan("gather", plan_gather(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype,
-                  ReduceOp::sum)
+  g.run_plan("gather", plan_gather(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype,
+             ReduceOp::sum, true)
       .wait();
 }
 
 void Group::scatter(const void* send, void* recv, size_t count, DataType dtype, int root) {
-  DT_CHECK(impl_ != nullptr, "comm", "scatter on an empty group");
+  Impl& g = impl("scatter");
   check_root(root, size(), "scatter");
   std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  impl_->run_plan("scatter", plan_scatter(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype,
-                  ReduceOp::sum)
+  g.run_plan("scatter", plan_scatter(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype,
+             ReduceOp::sum, true)
       .wait();
 }
 
 void Group::all_to_all(const void* send, void* recv, size_t count, DataType dtype) {
-  DT_CHECK(impl_ != nullptr, "comm", "all_to_all on an empty group");
+  Impl& g = impl("all_to_all");
   DT_CHECK(send != recv || count == 0 || size() == 1, "comm", "all_to_all cannot run in place");
-  impl_->run_plan("all_to_all", plan_all_to_all(Algorithm::pairwise, rank(), size(), count), send, recv, dtype,
-                  ReduceOp::sum)
+  g.run_plan("all_to_all", plan_all_to_all(Algorithm::pairwise, rank(), size(), count), send, recv, dtype,
+             ReduceOp::sum, true)
       .wait();
 }
 
 void Group::barrier() {
-  DT_CHECK(impl_ != nullptr, "comm", "barrier on an empty group");
-  impl_->run_plan("barrier", plan_barrier(rank(), size()), nullptr, nullptr, DataType::u8, ReduceOp::sum).wait();
+  Impl& g = impl("barrier");
+  if (g.direct_for(g.options.algorithm) != nullptr) {
+    g.run_direct("barrier", true, [](DirectCollectives& d, Deadline deadline) { d.barrier(deadline); }).wait();
+    return;
+  }
+  g.run_plan("barrier", plan_barrier(rank(), size()), nullptr, nullptr, DataType::u8, ReduceOp::sum, true).wait();
 }
 
 void Group::send(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
-  send_async(buffer, count, dtype, peer, tag).wait();
+  p2p_impl(impl("send"), true, const_cast<void*>(buffer), count, dtype, peer, tag, true).wait();
 }
 
 void Group::recv(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
-  recv_async(buffer, count, dtype, peer, tag).wait();
+  p2p_impl(impl("recv"), false, buffer, count, dtype, peer, tag, true).wait();
 }
 
 }  // namespace dtrain::comm

@@ -47,7 +47,7 @@ namespace {
 
 constexpr Algorithm kAllAlgorithms[] = {
     Algorithm::automatic, Algorithm::ring,   Algorithm::halving_doubling, Algorithm::recursive_doubling,
-    Algorithm::binomial,  Algorithm::linear, Algorithm::pairwise};
+    Algorithm::binomial,  Algorithm::linear, Algorithm::pairwise,         Algorithm::direct};
 
 // Measured crossover points for choose_all_reduce, in bytes per rank. Placeholders from the
 // cost model (recursive doubling pays lg(p) * n in bandwidth, halving-doubling has 2 lg(p)
@@ -102,6 +102,8 @@ const char* name_of(Algorithm a) {
       return "linear";
     case Algorithm::pairwise:
       return "pairwise";
+    case Algorithm::direct:
+      return "direct";
   }
   return "?";
 }

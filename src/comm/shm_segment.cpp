@@ -50,18 +50,20 @@ char* map_fd(int fd, size_t bytes, const std::string& name) {
 
 }  // namespace
 
-SegmentLayout::SegmentLayout(int world_size, size_t bytes_per_ring)
+SegmentLayout::SegmentLayout(int world_size, size_t bytes_per_ring, size_t bytes_per_stage)
     : size(world_size),
       ring_bytes(bytes_per_ring),
+      stage_bytes(bytes_per_stage),
       pairs(static_cast<size_t>(world_size) * static_cast<size_t>(world_size - 1)) {
   ranks_offset = round_up(sizeof(SegmentHeader), kLine);
   rings_offset = round_up(ranks_offset + static_cast<size_t>(size) * sizeof(RankSlot), kLine);
   data_offset = round_up(rings_offset + pairs * sizeof(RingCtl), kPage);
-  total_bytes = data_offset + pairs * ring_bytes;
+  stage_offset = data_offset + pairs * ring_bytes;
+  total_bytes = stage_offset + static_cast<size_t>(size) * 2 * stage_bytes;
 }
 
-Segment Segment::create(const std::string& name, int size, size_t ring_bytes) {
-  SegmentLayout layout(size, ring_bytes);
+Segment Segment::create(const std::string& name, int size, size_t ring_bytes, size_t stage_bytes) {
+  SegmentLayout layout(size, ring_bytes, stage_bytes);
   Fd fd{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)};
   if (fd.fd < 0) DT_THROW("comm", "shm: shm_open({}, O_CREAT|O_EXCL) failed: {}", name, errno_text(errno));
   try {
@@ -72,7 +74,7 @@ Segment Segment::create(const std::string& name, int size, size_t ring_bytes) {
     if (int err = ::posix_fallocate(fd.fd, 0, static_cast<off_t>(layout.total_bytes)); err != 0) {
       DT_THROW("comm",
                "shm: cannot reserve {} bytes for {} ({} ranks, {} byte rings): {}; is /dev/shm full? "
-               "(DTRAIN_SHM_RING_BYTES sets a smaller ring)",
+               "(DTRAIN_SHM_RING_BYTES and DTRAIN_SHM_STAGE_BYTES set smaller rings and staging slots)",
                layout.total_bytes, name, size, ring_bytes, errno_text(err));
     }
     char* base = map_fd(fd.fd, layout.total_bytes, name);
@@ -88,6 +90,7 @@ Segment Segment::create(const std::string& name, int size, size_t ring_bytes) {
     h->version = kVersion;
     h->size = static_cast<uint32_t>(size);
     h->ring_bytes = ring_bytes;
+    h->stage_bytes = stage_bytes;
     h->total_bytes = layout.total_bytes;
     h->abort_state.store(kNotAborted, std::memory_order_relaxed);
     std::atomic_ref<uint64_t>(h->magic).store(kMagic, std::memory_order_release);
@@ -126,7 +129,11 @@ Segment Segment::open(const std::string& name, int size) {
              (h->ring_bytes & (h->ring_bytes - 1)) != 0) {
     problem =
         fmt::format("ring size {} is not a power of two in [{}, {}]", h->ring_bytes, kMinRingBytes, kMaxRingBytes);
-  } else if (SegmentLayout layout(size, h->ring_bytes);
+  } else if (h->stage_bytes < kMinStageBytes || h->stage_bytes > kMaxStageBytes ||
+             (h->stage_bytes & (h->stage_bytes - 1)) != 0) {
+    problem = fmt::format("staging size {} is not a power of two in [{}, {}]", h->stage_bytes, kMinStageBytes,
+                          kMaxStageBytes);
+  } else if (SegmentLayout layout(size, h->ring_bytes, h->stage_bytes);
              layout.total_bytes != file_bytes || h->total_bytes != file_bytes) {
     problem = fmt::format("has {} bytes but its layout needs {}", file_bytes, layout.total_bytes);
   }
@@ -134,7 +141,7 @@ Segment Segment::open(const std::string& name, int size) {
     ::munmap(base, file_bytes);
     DT_THROW("comm", "shm: segment {} {}", name, problem);
   }
-  return Segment(base, SegmentLayout(size, h->ring_bytes));
+  return Segment(base, SegmentLayout(size, h->ring_bytes, h->stage_bytes));
 }
 
 Segment::Segment(Segment&& other) noexcept : base_(std::exchange(other.base_, nullptr)), layout_(other.layout_) {}
@@ -167,17 +174,28 @@ std::string make_segment_name(const std::string& prefix) {
   return fmt::format("/dtrain-{}-{}-{:016x}", clean, ::getpid(), random);
 }
 
-size_t ring_bytes_from_env() {
-  const char* text = std::getenv("DTRAIN_SHM_RING_BYTES");
-  if (text == nullptr || *text == '\0') return kDefaultRingBytes;
+namespace {
+
+size_t power_of_two_from_env(const char* var, size_t fallback, size_t lo, size_t hi) {
+  const char* text = std::getenv(var);
+  if (text == nullptr || *text == '\0') return fallback;
   char* end = nullptr;
   errno = 0;
   const unsigned long long v = std::strtoull(text, &end, 10);
-  if (errno != 0 || end == text || *end != '\0' || v < kMinRingBytes || v > kMaxRingBytes || (v & (v - 1)) != 0) {
-    DT_THROW("comm", "DTRAIN_SHM_RING_BYTES='{}' must be a power of two between {} and {}", text, kMinRingBytes,
-             kMaxRingBytes);
+  if (errno != 0 || end == text || *end != '\0' || v < lo || v > hi || (v & (v - 1)) != 0) {
+    DT_THROW("comm", "{}='{}' must be a power of two between {} and {}", var, text, lo, hi);
   }
   return static_cast<size_t>(v);
+}
+
+}  // namespace
+
+size_t ring_bytes_from_env() {
+  return power_of_two_from_env("DTRAIN_SHM_RING_BYTES", kDefaultRingBytes, kMinRingBytes, kMaxRingBytes);
+}
+
+size_t stage_bytes_from_env() {
+  return power_of_two_from_env("DTRAIN_SHM_STAGE_BYTES", kDefaultStageBytes, kMinStageBytes, kMaxStageBytes);
 }
 
 void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, Duration timeout) {

@@ -10,6 +10,8 @@
 //   RingCtl[P]      per ordered pair (src -> dst), src != dst: head (written by src only) and
 //                   tail (written by dst only), each on its own line
 //   ring data[P]    page aligned, ring_bytes (a power of two) each
+//   stage[size][2]  page aligned, stage_bytes each: the staging slots of the direct
+//                   collectives (shm_collectives.cpp), two per rank used alternately
 //
 // P = size * (size - 1); ring (src -> dst) has index src * (size - 1) + (dst < src ? dst : dst - 1).
 #pragma once
@@ -26,12 +28,15 @@
 namespace dtrain::comm::shm {
 
 constexpr uint64_t kMagic = 0x315f4d48535f5444ull;  // "DT_SHM_1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kLine = 128;
 constexpr size_t kDefaultRingBytes = size_t{1} << 20;
 constexpr size_t kMinRingBytes = 4096;
 constexpr size_t kMaxRingBytes = size_t{1} << 30;
 constexpr size_t kAbortReasonBytes = 512;
+constexpr size_t kDefaultStageBytes = size_t{1} << 20;
+constexpr size_t kMinStageBytes = 4096;
+constexpr size_t kMaxStageBytes = size_t{1} << 30;
 
 enum AbortState : uint32_t { kNotAborted = 0, kAbortWriting = 1, kAbortPublished = 2 };
 
@@ -40,6 +45,7 @@ struct alignas(kLine) SegmentHeader {
   uint32_t version;
   uint32_t size;
   uint64_t ring_bytes;
+  uint64_t stage_bytes;
   uint64_t total_bytes;
   alignas(kLine) std::atomic<uint32_t> abort_state;  // AbortState
   int32_t abort_rank;
@@ -54,6 +60,10 @@ struct RankSlot {
   // Bumped by anyone who wants this rank to re-check its rings; it sleeps on it.
   alignas(kLine) std::atomic<uint32_t> futex;
   std::atomic<uint32_t> sleepers;  // > 0 while one of its threads is about to sleep or sleeps
+  // Direct collectives: phases this rank completed (monotonic), and the call it made, one
+  // record per parity of its call counter (see shm_collectives.cpp).
+  alignas(kLine) std::atomic<uint64_t> arrived;
+  uint64_t call[2][4];
 };
 
 struct RingCtl {
@@ -66,13 +76,15 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<u
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "ring positions must be lock-free");
 
 struct SegmentLayout {
-  SegmentLayout(int world_size, size_t bytes_per_ring);
+  SegmentLayout(int world_size, size_t bytes_per_ring, size_t bytes_per_stage);
   int size;
   size_t ring_bytes;
+  size_t stage_bytes;
   size_t pairs;
   size_t ranks_offset;
   size_t rings_offset;
   size_t data_offset;
+  size_t stage_offset;
   size_t total_bytes;
 };
 
@@ -82,7 +94,7 @@ class Segment {
   /// Creates `name` exclusively, sizes and reserves it (posix_fallocate, so a full /dev/shm is an
   /// error here rather than a SIGBUS later), maps it and initialises the control area.
   /// Unlinks the name again if any step fails.
-  static Segment create(const std::string& name, int size, size_t ring_bytes);
+  static Segment create(const std::string& name, int size, size_t ring_bytes, size_t stage_bytes);
   /// Opens and maps an existing segment; checks magic, version and world size.
   static Segment open(const std::string& name, int size);
 
@@ -101,6 +113,11 @@ class Segment {
     return base_ + layout_.data_offset + ring_index(src, dst) * layout_.ring_bytes;
   }
   size_t ring_bytes() const { return layout_.ring_bytes; }
+  /// Staging slot `parity` (0 or 1) of rank r.
+  char* stage(int r, int parity) const {
+    return base_ + layout_.stage_offset + (static_cast<size_t>(r) * 2 + static_cast<size_t>(parity)) * layout_.stage_bytes;
+  }
+  size_t stage_bytes() const { return layout_.stage_bytes; }
   size_t total_bytes() const { return layout_.total_bytes; }
 
  private:
@@ -121,6 +138,8 @@ std::string make_segment_name(const std::string& prefix);
 
 /// Ring size from DTRAIN_SHM_RING_BYTES (a power of two in [4 KiB, 1 GiB]) or the default.
 size_t ring_bytes_from_env();
+/// Staging slot size from DTRAIN_SHM_STAGE_BYTES (a power of two in [4 KiB, 1 GiB]) or the default.
+size_t stage_bytes_from_env();
 
 /// Sleeps while *word == expected, at most `timeout`. Process-shared (not FUTEX_PRIVATE).
 void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, Duration timeout);

@@ -46,6 +46,7 @@
 
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
+#include "shm_collectives.h"
 #include "shm_segment.h"
 
 namespace dtrain::comm {
@@ -146,7 +147,8 @@ class ShmTransport final : public Transport {
         cap_(seg_.ring_bytes()),
         mask_(seg_.ring_bytes() - 1),
         pid_(::getpid()),
-        peers_(static_cast<size_t>(size)) {
+        peers_(static_cast<size_t>(size)),
+        collectives_(seg_, rank, size, [this] { check_abort(); }) {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       Peer& peer = peers_[static_cast<size_t>(p)];
@@ -171,6 +173,7 @@ class ShmTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* kind() const override { return "shm"; }
+  DirectCollectives* direct() override { return &collectives_; }
 
   RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) override {
     UseGuard guard(in_use_);
@@ -591,6 +594,7 @@ class ShmTransport final : public Transport {
   RequestId next_id_ = 1;
   std::exception_ptr broken_;
   std::atomic<bool> in_use_{false};
+  shm::Collectives collectives_;
 };
 
 Duration remaining(Deadline deadline) {
@@ -641,7 +645,7 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& p
 
   if (rank == 0) {
     const std::string name = shm::make_segment_name(prefix);
-    Segment seg = Segment::create(name, size, shm::ring_bytes_from_env());
+    Segment seg = Segment::create(name, size, shm::ring_bytes_from_env(), shm::stage_bytes_from_env());
     try {
       join(seg, 0);
       store.set(name_key, name);

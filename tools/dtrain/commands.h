@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "dtrain/launch/launcher.h"
 #include "dtrain/train/config.h"
@@ -20,9 +21,29 @@ struct BenchOptions {
   int threads = 1;
 };
 
+struct CollBenchOptions {
+  int nranks = 2;
+  std::string op = "allreduce";
+  std::string min_bytes = "8";
+  std::string max_bytes = "64M";
+  std::string dtype = "f32";
+  std::string redop = "sum";
+  std::string algo = "auto";  // comma-separated list: one sweep per algorithm
+  std::string transport = "auto";
+  int iters = 20;
+  int warmup = 5;
+  bool check = false;
+  bool inplace = false;
+  bool model = false;
+  double timeout_s = 120;
+  std::string json;
+};
+
 int run_train(train::TrainConfig& cfg);
 int run_diff(const DiffOptions& opts);
 int run_bench_gemm(const BenchOptions& opts);
 int run_launch(const launch::LaunchOptions& opts);
+/// `argv` is the tool's whole command line (relaunched as is under dtrain launch).
+int run_bench_collectives(const CollBenchOptions& opts, const std::vector<std::string>& argv);
 
 }  // namespace dtrain::tools

@@ -46,6 +46,27 @@ int main(int argc, char** argv) {
   gemm->add_option("--seconds", bench_opts.seconds, "time to measure per size")->capture_default_str();
   gemm->add_option("--threads", bench_opts.threads, "BLAS threads")->capture_default_str();
 
+  dtrain::tools::CollBenchOptions coll;
+  CLI::App* colls = bench->add_subcommand(
+      "collectives", "nccl-tests style sweep of one collective over message sizes on -n local processes");
+  colls->add_option("-n,--nranks", coll.nranks, "ranks (processes) to launch")->capture_default_str();
+  colls->add_option("--op", coll.op, "allreduce|allgather|reducescatter|broadcast|sendrecv|alltoall")
+      ->capture_default_str();
+  colls->add_option("--min-bytes,-b", coll.min_bytes, "smallest size (suffixes K, M, G)")->capture_default_str();
+  colls->add_option("--max-bytes,-e", coll.max_bytes, "largest size (doubling from the smallest)")->capture_default_str();
+  colls->add_option("--dtype,-d", coll.dtype, "f32|bf16|f16|f64|i32|i64|u8")->capture_default_str();
+  colls->add_option("--redop,-o", coll.redop, "sum|avg|max|min|prod")->capture_default_str();
+  colls->add_option("--algo", coll.algo, "auto|direct|ring|hd|rd, or a comma-separated list (one sweep each)")
+      ->capture_default_str();
+  colls->add_option("--transport", coll.transport, "auto|shm|tcp")->capture_default_str();
+  colls->add_option("--iters,-i", coll.iters, "timed iterations per size")->capture_default_str();
+  colls->add_option("--warmup,-w", coll.warmup, "untimed iterations per size")->capture_default_str();
+  colls->add_option("--timeout", coll.timeout_s, "seconds before a collective gives up")->capture_default_str();
+  colls->add_flag("--check,-c", coll.check, "verify the result of extra runs too (one run is always verified)");
+  colls->add_flag("--inplace", coll.inplace, "all_reduce in place (send == recv)");
+  colls->add_flag("--model", coll.model, "measure alpha/beta by ping-pong and print the cost model's time per row");
+  colls->add_option("--json", coll.json, "write the results as JSON (rank 0)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -59,6 +80,7 @@ int main(int argc, char** argv) {
     if (diff->parsed()) return dtrain::tools::run_diff(diff_opts);
     if (launch->parsed()) return dtrain::tools::run_launch(launch_opts);
     if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
+    if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
     return 2;

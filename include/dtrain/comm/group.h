@@ -3,8 +3,13 @@
 // A Group is a cheap handle (copyable, shared) over a backend. Every collective exists in a
 // blocking form and an asynchronous form (suffix _async) that returns a Work. Ordering: the
 // asynchronous operations of one group run one at a time in the order they were issued, on
-// the group's progress thread; blocking calls are queued behind them. Every rank must issue
-// the same collectives on a group in the same order.
+// the group's progress thread; blocking calls are queued behind them (and run inline in the
+// caller's thread when nothing is queued). Every rank must issue the same collectives on a
+// group in the same order.
+//
+// Algorithms: on one host all_reduce, reduce_scatter, all_gather, broadcast and barrier run
+// the shm transport's direct collectives (reduced straight from shared staging buffers);
+// GroupOptions::algorithm or DTRAIN_ALGO=ring|hd|rd|direct overrides the choice.
 //
 // Buffers: counts are elements of `dtype`; send and recv may be the same pointer (in place)
 // except where noted. Buffers passed to an _async call must stay valid until its Work
@@ -63,6 +68,10 @@ class Group {
   /// Collective: ranks with the same color form a sub-group ordered by (key, rank). A
   /// negative color returns an empty Group (size 0) for that rank.
   Group split(int color, int key) const;
+  /// The same, with its own options (e.g. another algorithm or timeout) for the sub-group.
+  Group split(int color, int key, const GroupOptions& options) const;
+  /// What all_reduce of `bytes` bytes runs on this group: direct, ring, hd or rd.
+  Algorithm all_reduce_algorithm(size_t bytes) const;
 
   void all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op);
   /// send holds size() * recv_count elements; rank r receives block r reduced.
@@ -96,6 +105,7 @@ class Group {
 
  private:
   explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  Impl& impl(const char* op) const;  // throws for an empty group
   std::shared_ptr<Impl> impl_;
 };
 

@@ -60,9 +60,11 @@ enum class Algorithm : uint8_t {
   binomial,           // binomial tree: broadcast, reduce, gather, scatter
   linear,             // root talks to every rank directly
   pairwise,           // all_to_all: p-1 rounds of pairwise exchange
+  direct,             // the transport's native collective (shm: straight from shared staging
+                      // buffers); not a plan: Group runs it through Transport::direct()
 };
 const char* name_of(Algorithm a);
-/// "auto", "ring", "hd", "rd", "tree", "linear", "pairwise"; throws dtrain::Error.
+/// "auto", "ring", "hd", "rd", "tree", "linear", "pairwise", "direct"; throws dtrain::Error.
 Algorithm parse_algorithm(const std::string& text);
 
 /// Plans of the collectives for `rank` of `size`. Counts are elements. For the "v" forms,

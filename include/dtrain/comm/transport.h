@@ -37,6 +37,27 @@ class TransportError : public Error {
 
 using RequestId = uint64_t;
 
+/// Collectives that a transport runs natively instead of through point-to-point messages:
+/// the shm transport reduces straight from the ranks' shared staging buffers (each byte is
+/// copied into shared memory once and read from there, with no per-hop copies). The result
+/// is bitwise identical on every rank. Every rank must make the same calls in the same order;
+/// a call whose (collective, dtype, count, op, root) differs from a peer's fails with
+/// TransportError::Kind::protocol naming both calls. Failure semantics are those of wait().
+class DirectCollectives {
+ public:
+  virtual ~DirectCollectives() = default;
+  virtual void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                          Deadline deadline) = 0;
+  virtual void broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline) = 0;
+  /// output holds size() * count elements; rank r's block at r * count.
+  virtual void all_gather(const void* input, void* output, size_t count, DataType dtype, Deadline deadline) = 0;
+  /// input holds size() * count elements; rank r receives block r reduced.
+  virtual void reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                              Deadline deadline) = 0;
+  /// Synchronisation only.
+  virtual void barrier(Deadline deadline) = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -55,6 +76,8 @@ class Transport {
   /// Fails every current and future wait on this transport and, where the medium allows,
   /// on the peers' transports too (shm: a shared abort flag; tcp: closing connections).
   virtual void abort(const std::string& reason) = 0;
+  /// The transport's native collectives, or nullptr when it has none.
+  virtual DirectCollectives* direct() { return nullptr; }
 };
 
 class Store;

@@ -1,0 +1,334 @@
+// Direct collectives over the shm segment.
+//
+// Every rank owns two staging slots of stage_bytes in the segment and a phase counter
+// (RankSlot::arrived). A collective moves its data in chunks that fit a slot; chunk c uses
+// slot parity c & 1. A *phase* ends when a rank bumps its counter (arrive) and is complete
+// when every rank's counter reached the same value (wait_all). All ranks run the same phases,
+// so the target is simply this rank's own count.
+//
+//   all_reduce, small chunk (<= kSmallBytes): copy in | sync | every rank reduces all slots
+//     in rank order into its output (same bits everywhere).
+//   all_reduce, large chunk: copy in | sync | rank r reduces slice r of every slot into slice
+//     r of its own slot | sync | every rank copies slice q out of rank q's slot.
+//   broadcast: root copies in | sync | the others copy out.
+//   all_gather: copy own block in | sync | copy every block out.
+//   reduce_scatter: copy in | sync | reduce own block of every slot into the output.
+//
+// Reuse: a rank writes slot parity c & 1 again at chunk c + 2, after the first sync of chunk
+// c + 1, which every rank reaches only after it finished reading chunk c. Every call has at
+// least one sync, so the same argument covers the call records (parity of the call counter)
+// that each rank publishes and compares after the first sync: a rank that called something
+// else is reported instead of silently mixing buffers.
+//
+// Waiting spins (pause, then sched_yield so that more ranks than cores progress), then sleeps
+// on the rank's futex word; arrive() wakes the peers that announced a sleep (the same Dekker
+// handshake as the rings: see shm_transport.cpp).
+#include "shm_collectives.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "dtrain/comm/reduce.h"
+
+namespace dtrain::comm::shm {
+
+namespace {
+
+constexpr size_t kSmallBytes = size_t{16} << 10;
+constexpr size_t kAlignBytes = 64;
+constexpr int kSpinIterations = 4000;
+constexpr int kYieldAfter = 200;
+constexpr int kYieldEvery = 8;
+constexpr int kClockEvery = 64;
+constexpr Duration kMaxSleep{20};
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+const char* kind_name(uint64_t kind) {
+  switch (kind) {
+    case 1: return "all_reduce";
+    case 2: return "broadcast";
+    case 3: return "all_gather";
+    case 4: return "reduce_scatter";
+    case 5: return "barrier";
+    default: return "unknown";
+  }
+}
+
+std::string describe_call(const uint64_t* rec) {
+  const auto kind = rec[0];
+  if (kind == 5) return "barrier";
+  const auto dtype = static_cast<DataType>(rec[1]);
+  if (kind == 2) return fmt::format("broadcast({}, {}, root {})", name_of(dtype), rec[2], rec[3]);
+  if (kind == 3) return fmt::format("all_gather({}, {})", name_of(dtype), rec[2]);
+  return fmt::format("{}({}, {}, {})", kind_name(kind), name_of(dtype), rec[2], name_of(static_cast<ReduceOp>(rec[3])));
+}
+
+// [lo, hi) of slice `r` of `m` elements split over `p` ranks, cut on kAlignBytes boundaries.
+std::pair<size_t, size_t> slice(size_t m, int r, int p, size_t esize) {
+  const size_t align = std::max<size_t>(1, kAlignBytes / esize);
+  auto cut = [&](int k) { return k >= p ? m : std::min(m, m * static_cast<size_t>(k) / static_cast<size_t>(p) / align * align); };
+  return {cut(r), cut(r + 1)};
+}
+
+}  // namespace
+
+Collectives::Collectives(const Segment& segment, int rank, int size, std::function<void()> check_abort)
+    : seg_(segment), rank_(rank), size_(size), check_abort_(std::move(check_abort)) {
+  DT_CHECK(seg_.stage_bytes() >= static_cast<size_t>(size_) * 8, "comm",
+           "shm: staging slots of {} bytes are too small for {} ranks (DTRAIN_SHM_STAGE_BYTES)", seg_.stage_bytes(),
+           size_);
+  phase_ = seg_.rank(rank_).arrived.load(std::memory_order_relaxed);
+}
+
+void Collectives::begin(const Call& call) {
+  call_ = call;
+  uint64_t* rec = seg_.rank(rank_).call[calls_ & 1];
+  rec[0] = static_cast<uint64_t>(call.kind);
+  rec[1] = static_cast<uint64_t>(call.dtype);
+  rec[2] = call.count;
+  rec[3] = call.arg;
+  checked_ = false;
+}
+
+void Collectives::arrive() {
+  seg_.rank(rank_).arrived.store(++phase_, std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    RankSlot& slot = seg_.rank(p);
+    if (slot.sleepers.load(std::memory_order_relaxed) != 0) futex_wake_all(slot.futex);
+  }
+}
+
+bool Collectives::all_arrived(uint64_t target, int& cursor) const {
+  while (cursor < size_ && seg_.rank(cursor).arrived.load(std::memory_order_acquire) >= target) ++cursor;
+  return cursor == size_;
+}
+
+void Collectives::wait_all(Deadline deadline) {
+  const uint64_t target = phase_;
+  int cursor = 0;
+  if (all_arrived(target, cursor)) return;
+  const auto start = Clock::now();
+  auto last_liveness = start;
+  int idle = 0;
+  for (uint64_t iteration = 1;; ++iteration) {
+    // Arrival first: a peer that arrived and then aborted (e.g. on a call mismatch) still lets
+    // this rank see the phase complete and report the mismatch from its own side.
+    if (all_arrived(target, cursor)) return;
+    check_abort_();
+    ++idle;
+    if (iteration % kClockEvery == 0 || idle >= kSpinIterations) {
+      const auto now = Clock::now();
+      if (now >= deadline) throw_stalled(target, now - start, true);
+      if (now - last_liveness >= kLivenessPeriod) {
+        last_liveness = now;
+        for (int p = cursor; p < size_; ++p) {
+          const RankSlot& s = seg_.rank(p);
+          if (s.arrived.load(std::memory_order_acquire) >= target) continue;
+          if (s.departed.load(std::memory_order_acquire) != 0 ||
+              !process_alive(s.pid.load(std::memory_order_acquire), s.start_time.load(std::memory_order_relaxed))) {
+            if (all_arrived(target, cursor)) return;
+            throw_stalled(target, now - start, false);
+          }
+        }
+      }
+      if (idle >= kSpinIterations) {
+        idle = 0;
+        RankSlot& me = seg_.rank(rank_);
+        const uint32_t seq = me.futex.load(std::memory_order_acquire);
+        me.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        const bool ready = all_arrived(target, cursor) ||
+                           seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
+        if (!ready) {
+          futex_wait(me.futex, seq, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now) + Duration{1}));
+        }
+        me.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        continue;
+      }
+    }
+    if (idle >= kYieldAfter && idle % kYieldEvery == 0) {
+      ::sched_yield();
+    } else {
+      cpu_relax();
+    }
+  }
+}
+
+void Collectives::sync(Deadline deadline) {
+  arrive();
+  wait_all(deadline);
+  if (!checked_) {
+    checked_ = true;
+    check_calls();
+    ++calls_;
+  }
+}
+
+void Collectives::check_calls() const {
+  const uint64_t* mine = seg_.rank(rank_).call[calls_ & 1];
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    const uint64_t* theirs = seg_.rank(p).call[calls_ & 1];
+    if (std::equal(mine, mine + 4, theirs)) continue;
+    throw TransportError(TransportError::Kind::protocol, {p},
+                         fmt::format("shm: rank {} called {} but rank {} called {} (call #{} on this transport)", p,
+                                     describe_call(theirs), rank_, describe_call(mine), calls_),
+                         __FILE__, __LINE__);
+  }
+}
+
+void Collectives::throw_stalled(uint64_t target, Clock::duration waited, bool timed_out) const {
+  std::vector<int> missing;
+  std::vector<std::string> dead;
+  for (int p = 0; p < size_; ++p) {
+    const RankSlot& s = seg_.rank(p);
+    if (s.arrived.load(std::memory_order_acquire) >= target) continue;
+    missing.push_back(p);
+    if (s.departed.load(std::memory_order_acquire) != 0) {
+      dead.push_back(fmt::format("rank {} (pid {}) closed its transport", p, s.pid.load()));
+    } else if (!process_alive(s.pid.load(std::memory_order_acquire), s.start_time.load(std::memory_order_relaxed))) {
+      dead.push_back(fmt::format("rank {} (pid {}) died", p, s.pid.load()));
+    }
+  }
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(waited).count();
+  const std::string what = describe_call(seg_.rank(rank_).call[calls_ & 1]);
+  if (!timed_out && !dead.empty()) {
+    throw TransportError(TransportError::Kind::peer_dead, missing,
+                         fmt::format("shm: {} while rank {} waited in {}", fmt::join(dead, ", "), rank_, what),
+                         __FILE__, __LINE__);
+  }
+  throw TransportError(TransportError::Kind::timeout, missing,
+                       fmt::format("shm: rank {} timed out after {} ms in {} waiting for rank(s) {}", rank_, ms, what,
+                                   fmt::join(missing, ", ")),
+                       __FILE__, __LINE__);
+}
+
+void Collectives::barrier(Deadline deadline) {
+  begin({Kind::barrier, DataType::u8, 0, 0});
+  sync(deadline);
+}
+
+void Collectives::all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                             Deadline deadline) {
+  begin({Kind::all_reduce, dtype, count, static_cast<uint64_t>(op)});
+  const size_t esize = size_of(dtype);
+  const size_t chunk_elems = seg_.stage_bytes() / esize;
+  const auto* in = static_cast<const char*>(input);
+  auto* out = static_cast<char*>(output);
+  if (count == 0) sync(deadline);
+  for (size_t off = 0; off < count; off += chunk_elems, ++chunk_) {
+    const size_t m = std::min(chunk_elems, count - off);
+    const size_t bytes = m * esize;
+    std::memcpy(stage(rank_), in + off * esize, bytes);
+    sync(deadline);
+    if (bytes <= kSmallBytes || size_ == 1) {
+      // Every rank reduces everything in rank order: one phase, identical bits everywhere.
+      char* dst = out + off * esize;
+      if (size_ == 1) {
+        if (dst != in + off * esize) std::memcpy(dst, stage(0), bytes);
+      } else {
+        reduce_pair(dst, stage(0), stage(1), m, dtype, op);
+        for (int r = 2; r < size_; ++r) reduce_into(dst, stage(r), m, dtype, op);
+      }
+      finish_avg(dst, m, dtype, op, size_);
+      continue;
+    }
+    const auto [lo, hi] = slice(m, rank_, size_, esize);
+    if (hi > lo) {
+      char* mine = stage(rank_) + lo * esize;
+      for (int k = 1; k < size_; ++k) reduce_into(mine, stage((rank_ + k) % size_) + lo * esize, hi - lo, dtype, op);
+      finish_avg(mine, hi - lo, dtype, op, size_);
+    }
+    sync(deadline);
+    for (int k = 0; k < size_; ++k) {
+      const int q = (rank_ + k) % size_;
+      const auto [qlo, qhi] = slice(m, q, size_, esize);
+      if (qhi > qlo) std::memcpy(out + (off + qlo) * esize, stage(q) + qlo * esize, (qhi - qlo) * esize);
+    }
+  }
+}
+
+void Collectives::broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline) {
+  begin({Kind::broadcast, dtype, count, static_cast<uint64_t>(root)});
+  const size_t esize = size_of(dtype);
+  const size_t chunk_elems = seg_.stage_bytes() / esize;
+  auto* buf = static_cast<char*>(buffer);
+  if (count == 0) sync(deadline);
+  for (size_t off = 0; off < count; off += chunk_elems, ++chunk_) {
+    const size_t bytes = std::min(chunk_elems, count - off) * esize;
+    if (rank_ == root) std::memcpy(stage(root), buf + off * esize, bytes);
+    sync(deadline);
+    if (rank_ != root) std::memcpy(buf + off * esize, stage(root), bytes);
+  }
+}
+
+void Collectives::all_gather(const void* input, void* output, size_t count, DataType dtype, Deadline deadline) {
+  begin({Kind::all_gather, dtype, count, 0});
+  const size_t esize = size_of(dtype);
+  const size_t chunk_elems = seg_.stage_bytes() / esize;
+  const auto* in = static_cast<const char*>(input);
+  auto* out = static_cast<char*>(output);
+  if (count == 0) sync(deadline);
+  for (size_t off = 0; off < count; off += chunk_elems, ++chunk_) {
+    const size_t bytes = std::min(chunk_elems, count - off) * esize;
+    std::memcpy(stage(rank_), in + off * esize, bytes);
+    sync(deadline);
+    for (int k = 0; k < size_; ++k) {
+      const int q = (rank_ + k) % size_;
+      char* dst = out + (static_cast<size_t>(q) * count + off) * esize;
+      if (!(q == rank_ && dst == in + off * esize)) std::memcpy(dst, stage(q), bytes);
+    }
+  }
+}
+
+void Collectives::reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                                 Deadline deadline) {
+  begin({Kind::reduce_scatter, dtype, count, static_cast<uint64_t>(op)});
+  const size_t esize = size_of(dtype);
+  // A chunk holds the same `m` elements of every rank's block, block q at q * m.
+  const size_t chunk_elems = std::max<size_t>(1, seg_.stage_bytes() / esize / static_cast<size_t>(size_));
+  const auto* in = static_cast<const char*>(input);
+  auto* out = static_cast<char*>(output);
+  if (count == 0) sync(deadline);
+  for (size_t off = 0; off < count; off += chunk_elems, ++chunk_) {
+    const size_t m = std::min(chunk_elems, count - off);
+    char* mine = stage(rank_);
+    for (int q = 0; q < size_; ++q) {
+      std::memcpy(mine + static_cast<size_t>(q) * m * esize, in + (static_cast<size_t>(q) * count + off) * esize,
+                  m * esize);
+    }
+    sync(deadline);
+    char* dst = out + off * esize;
+    const size_t at = static_cast<size_t>(rank_) * m * esize;
+    if (size_ == 1) {
+      std::memcpy(dst, stage(0) + at, m * esize);
+    } else {
+      reduce_pair(dst, stage(0) + at, stage(1) + at, m, dtype, op);
+      for (int r = 2; r < size_; ++r) reduce_into(dst, stage(r) + at, m, dtype, op);
+    }
+    finish_avg(dst, m, dtype, op, size_);
+  }
+}
+
+}  // namespace dtrain::comm::shm

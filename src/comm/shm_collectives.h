@@ -1,0 +1,59 @@
+// Direct collectives of the shm transport (internal to src/comm): each rank copies its data
+// once into its staging slot in the segment, and the ranks reduce or copy straight out of each
+// other's slots. See shm_collectives.cpp for the protocol.
+#pragma once
+
+#include <functional>
+
+#include "dtrain/comm/transport.h"
+#include "shm_segment.h"
+
+namespace dtrain::comm::shm {
+
+class Collectives final : public DirectCollectives {
+ public:
+  /// `check_abort` throws TransportError(aborted) when the segment's abort flag is set.
+  Collectives(const Segment& segment, int rank, int size, std::function<void()> check_abort);
+
+  void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                  Deadline deadline) override;
+  void broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline) override;
+  void all_gather(const void* input, void* output, size_t count, DataType dtype, Deadline deadline) override;
+  void reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                      Deadline deadline) override;
+  void barrier(Deadline deadline) override;
+
+ private:
+  enum class Kind : uint64_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier };
+  struct Call {
+    Kind kind;
+    DataType dtype;
+    size_t count;
+    uint64_t arg;  // op, or root
+  };
+
+  // Publishes this rank's record of the call (checked against the peers' after the first phase).
+  void begin(const Call& call);
+  // Ends a phase: bumps this rank's phase counter, wakes sleeping peers.
+  void arrive();
+  // Waits until every rank ended this rank's current phase; throws on abort, death, deadline.
+  void wait_all(Deadline deadline);
+  // arrive() + wait_all(); the first one of a call also compares the call records.
+  void sync(Deadline deadline);
+  bool all_arrived(uint64_t target, int& cursor) const;
+  void check_calls() const;
+  [[noreturn]] void throw_stalled(uint64_t target, Clock::duration waited, bool timed_out) const;
+  char* stage(int r) const { return seg_.stage(r, static_cast<int>(chunk_ & 1)); }
+
+  const Segment& seg_;
+  const int rank_;
+  const int size_;
+  std::function<void()> check_abort_;
+  uint64_t phase_ = 0;   // phases this rank ended (mirrors its RankSlot::arrived)
+  uint64_t calls_ = 0;   // calls made; the parity selects the call record
+  uint64_t chunk_ = 0;   // chunks moved; the parity selects the staging slot
+  bool checked_ = true;  // whether the current call's records were compared
+  Call call_{};
+};
+
+}  // namespace dtrain::comm::shm

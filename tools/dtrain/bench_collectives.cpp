@@ -1,0 +1,533 @@
+// dtrain bench collectives: an nccl-tests style sweep of one collective over message sizes,
+// with p50/p99 latency, algorithm and bus bandwidth, an exact correctness check, the memcpy
+// bandwidth of this machine, and (--model) alpha/beta/gamma from ping-pong with the cost
+// model's prediction next to each measurement. Started without RANK in the environment it
+// launches -n copies of itself through dtrain launch.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "dtrain/comm/group.h"
+#include "dtrain/comm/reduce.h"
+#include "dtrain/core/error.h"
+#include "dtrain/tensor/half.h"
+
+namespace dtrain::tools {
+
+namespace {
+
+using comm::Algorithm;
+using comm::DataType;
+using comm::Group;
+using comm::ReduceOp;
+using Seconds = std::chrono::duration<double>;
+
+double now_s() { return Seconds(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// ------------------------------------------------------------------ element access by dtype
+
+void store_value(void* buf, size_t i, DataType t, double v) {
+  switch (t) {
+    case DataType::f32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
+    case DataType::f64: static_cast<double*>(buf)[i] = v; break;
+    case DataType::bf16: static_cast<uint16_t*>(buf)[i] = f32_to_bf16(static_cast<float>(v)); break;
+    case DataType::f16: static_cast<uint16_t*>(buf)[i] = f32_to_f16(static_cast<float>(v)); break;
+    case DataType::i32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
+    case DataType::i64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
+    case DataType::u8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
+  }
+}
+
+double load_value(const void* buf, size_t i, DataType t) {
+  switch (t) {
+    case DataType::f32: return static_cast<const float*>(buf)[i];
+    case DataType::f64: return static_cast<const double*>(buf)[i];
+    case DataType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::f16: return f16_to_f32(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::i32: return static_cast<const int32_t*>(buf)[i];
+    case DataType::i64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
+    case DataType::u8: return static_cast<const uint8_t*>(buf)[i];
+  }
+  return 0;
+}
+
+// Inputs whose reduction is exact in every dtype (small integers; sums stay below 256 for 8
+// ranks so bf16 and u8 hold them), and the expected reduction of element i over p ranks.
+double input_value(ReduceOp op, int rank, int p, size_t i) {
+  switch (op) {
+    case ReduceOp::sum: return static_cast<double>((rank + 1) * static_cast<int>(i % 5 + 1));
+    case ReduceOp::avg: return rank == 0 ? static_cast<double>(p * static_cast<int>(i % 5 + 1)) : 0.0;
+    case ReduceOp::prod: return (i + static_cast<size_t>(rank)) % 3 == 0 ? 2.0 : 1.0;
+    case ReduceOp::max:
+    case ReduceOp::min: return static_cast<double>((i * 7 + static_cast<size_t>(rank) * 3) % 11);
+  }
+  return 0;
+}
+
+double expected_value(ReduceOp op, int p, size_t i) {
+  double acc = input_value(op, 0, p, i);
+  for (int r = 1; r < p; ++r) {
+    const double v = input_value(op, r, p, i);
+    switch (op) {
+      case ReduceOp::sum:
+      case ReduceOp::avg: acc += v; break;
+      case ReduceOp::prod: acc *= v; break;
+      case ReduceOp::max: acc = std::max(acc, v); break;
+      case ReduceOp::min: acc = std::min(acc, v); break;
+    }
+  }
+  return op == ReduceOp::avg ? acc / p : acc;
+}
+
+// A value that identifies (rank, index) for the data-movement collectives; exact in every dtype.
+double tag_value(int rank, size_t i) { return static_cast<double>((static_cast<size_t>(rank) * 37 + i) % 101); }
+
+// ------------------------------------------------------------------ one collective
+
+enum class Op { allreduce, allgather, reducescatter, broadcast, sendrecv, alltoall };
+
+Op parse_op_name(const std::string& s) {
+  if (s == "allreduce") return Op::allreduce;
+  if (s == "allgather") return Op::allgather;
+  if (s == "reducescatter") return Op::reducescatter;
+  if (s == "broadcast") return Op::broadcast;
+  if (s == "sendrecv") return Op::sendrecv;
+  if (s == "alltoall") return Op::alltoall;
+  DT_THROW("bench", "--op '{}': expected allreduce, allgather, reducescatter, broadcast, sendrecv or alltoall", s);
+}
+
+// nccl-tests' bus bandwidth factors (../shared/BENCHMARKS.md).
+double bus_factor(Op op, int p) {
+  const double n = p;
+  switch (op) {
+    case Op::allreduce: return 2.0 * (n - 1) / n;
+    case Op::allgather:
+    case Op::reducescatter:
+    case Op::alltoall: return (n - 1) / n;
+    case Op::broadcast:
+    case Op::sendrecv: return 1.0;
+  }
+  return 1.0;
+}
+
+// Buffers and the call of one collective at one size. `bytes` is nccl-tests' size: the whole
+// vector (all_reduce, broadcast, sendrecv), the gathered output (all_gather), the input to
+// scatter (reduce_scatter, all_to_all).
+struct Case {
+  Op op;
+  Group* g;
+  DataType dtype;
+  ReduceOp redop;
+  bool inplace;
+  size_t count;  // elements of the whole vector
+  size_t block;  // elements per rank where the collective has blocks
+  std::vector<char> send, recv;
+
+  Case(Op o, Group& group, DataType t, ReduceOp r, bool in_place, size_t bytes)
+      : op(o), g(&group), dtype(t), redop(r), inplace(in_place) {
+    const size_t es = comm::size_of(t);
+    const size_t p = static_cast<size_t>(group.size());
+    count = bytes / es;
+    block = count / p;
+    if (op == Op::allgather || op == Op::reducescatter || op == Op::alltoall) count = block * p;
+    const size_t send_elems = op == Op::allgather ? block : count;
+    const size_t recv_elems = op == Op::reducescatter ? block : count;
+    send.assign(std::max<size_t>(1, send_elems * es), 0);
+    recv.assign(std::max<size_t>(1, recv_elems * es), 0);
+  }
+
+  size_t es() const { return comm::size_of(dtype); }
+  void* out() { return inplace && op == Op::allreduce ? send.data() : recv.data(); }
+
+  void fill() {
+    const int r = g->rank(), p = g->size();
+    switch (op) {
+      case Op::allreduce:
+      case Op::reducescatter:
+        for (size_t i = 0; i < count; ++i) store_value(send.data(), i, dtype, input_value(redop, r, p, i));
+        break;
+      case Op::allgather:
+        for (size_t i = 0; i < block; ++i) store_value(send.data(), i, dtype, tag_value(r, i));
+        break;
+      case Op::broadcast:
+        for (size_t i = 0; i < count; ++i) store_value(send.data(), i, dtype, r == 0 ? tag_value(0, i) : 0.0);
+        break;
+      case Op::sendrecv:
+      case Op::alltoall:
+        for (size_t i = 0; i < count; ++i) store_value(send.data(), i, dtype, tag_value(r, i));
+        break;
+    }
+    std::fill(recv.begin(), recv.end(), 0);
+  }
+
+  void run() {
+    const int r = g->rank(), p = g->size();
+    switch (op) {
+      case Op::allreduce: g->all_reduce(send.data(), out(), count, dtype, redop); break;
+      case Op::allgather: g->all_gather(send.data(), recv.data(), block, dtype); break;
+      case Op::reducescatter: g->reduce_scatter(send.data(), recv.data(), block, dtype, redop); break;
+      case Op::broadcast: g->broadcast(send.data(), count, dtype, 0); break;
+      case Op::alltoall: g->all_to_all(send.data(), recv.data(), block, dtype); break;
+      case Op::sendrecv: {
+        if (p == 1) {
+          std::memcpy(recv.data(), send.data(), count * es());
+          break;
+        }
+        comm::Work w = g->send_async(send.data(), count, dtype, (r + 1) % p);
+        g->recv(recv.data(), count, dtype, (r + p - 1) % p);
+        w.wait();
+        break;
+      }
+    }
+  }
+
+  // Elements of this rank's result that differ from the exact expectation.
+  uint64_t wrong() const {
+    const int r = g->rank(), p = g->size();
+    uint64_t bad = 0;
+    auto expect = [&](const void* buf, size_t i, double want) { bad += load_value(buf, i, dtype) != want; };
+    const void* res = inplace && op == Op::allreduce ? send.data() : recv.data();
+    switch (op) {
+      case Op::allreduce:
+        for (size_t i = 0; i < count; ++i) expect(res, i, cast(expected_value(redop, p, i)));
+        break;
+      case Op::reducescatter:
+        for (size_t i = 0; i < block; ++i) expect(res, i, cast(expected_value(redop, p, static_cast<size_t>(r) * block + i)));
+        break;
+      case Op::allgather:
+        for (size_t i = 0; i < count; ++i) expect(res, i, tag_value(static_cast<int>(i / block), i % block));
+        break;
+      case Op::broadcast:
+        for (size_t i = 0; i < count; ++i) expect(send.data(), i, tag_value(0, i));
+        break;
+      case Op::sendrecv:
+        for (size_t i = 0; i < count; ++i) expect(res, i, tag_value((r + p - 1) % p, i));
+        break;
+      case Op::alltoall:
+        for (size_t i = 0; i < count; ++i) {
+          const int from = static_cast<int>(i / block);
+          expect(res, i, tag_value(from, static_cast<size_t>(r) * block + i % block));
+        }
+        break;
+    }
+    return bad;
+  }
+
+  // The expected value as the dtype holds it (integer average truncates).
+  double cast(double v) const {
+    if (dtype == DataType::i32 || dtype == DataType::i64 || dtype == DataType::u8) return std::trunc(v);
+    return v;
+  }
+};
+
+// ------------------------------------------------------------------ measurements
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double pos = q * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(pos));
+  const size_t hi = std::min(v.size() - 1, lo + 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+// Single-core memcpy bandwidth (GB/s, bytes copied per second), median of 7.
+double memcpy_gbs() {
+  const size_t n = size_t{64} << 20;
+  std::vector<char> a(n, 1), b(n, 2);
+  std::vector<double> rates;
+  for (int k = 0; k < 7; ++k) {
+    const double t0 = now_s();
+    std::memcpy(b.data(), a.data(), n);
+    const double t = now_s() - t0;
+    rates.push_back(static_cast<double>(n) / t / 1e9);
+    a[static_cast<size_t>(k)] = b[n - 1 - static_cast<size_t>(k)];  // keep the copies observable
+  }
+  return percentile(rates, 0.5);
+}
+
+// Reduction throughput gamma (seconds per byte) of the f32 sum kernel on 4 MiB vectors.
+double reduce_gamma(DataType dtype) {
+  const size_t bytes = size_t{4} << 20;
+  const size_t n = bytes / comm::size_of(dtype);
+  std::vector<char> a(bytes, 0), b(bytes, 0);
+  std::vector<double> t;
+  for (int k = 0; k < 9; ++k) {
+    const double t0 = now_s();
+    comm::reduce_into(a.data(), b.data(), n, dtype, ReduceOp::sum);
+    t.push_back((now_s() - t0) / static_cast<double>(bytes));
+  }
+  return percentile(t, 0.5);
+}
+
+struct PingPong {
+  double alpha = 0;  // seconds
+  double beta = 0;   // seconds per byte
+  std::vector<std::pair<size_t, double>> points;  // bytes, one-way seconds
+};
+
+// Ranks 0 and 1 bounce messages of 8 B .. 4 MiB; one-way time = half the round trip (median).
+// alpha and beta from a least-squares line through the points. Every rank takes part in the
+// barriers; ranks >= 2 only wait.
+PingPong ping_pong(Group& g) {
+  PingPong pp;
+  const int r = g.rank();
+  std::vector<char> buf(size_t{4} << 20, 1);
+  for (size_t bytes = 8; bytes <= buf.size(); bytes *= 4) {
+    const int reps = bytes <= (64 << 10) ? 200 : 20;
+    std::vector<double> t;
+    g.barrier();
+    for (int k = 0; k < reps + 5; ++k) {
+      const double t0 = now_s();
+      if (r == 0) {
+        g.send(buf.data(), bytes, DataType::u8, 1, 7);
+        g.recv(buf.data(), bytes, DataType::u8, 1, 8);
+      } else if (r == 1) {
+        g.recv(buf.data(), bytes, DataType::u8, 0, 7);
+        g.send(buf.data(), bytes, DataType::u8, 0, 8);
+      }
+      if (k >= 5) t.push_back((now_s() - t0) / 2);
+    }
+    pp.points.push_back({bytes, percentile(t, 0.5)});
+  }
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  const double n = static_cast<double>(pp.points.size());
+  for (auto [b, y] : pp.points) {
+    const double x = static_cast<double>(b);
+    sx += x, sy += y, sxx += x * x, sxy += x * y;
+  }
+  pp.beta = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+  // alpha from the smallest messages (the fitted intercept is dominated by the large ones).
+  pp.alpha = pp.points.front().second;
+  return pp;
+}
+
+// Cost model of all_reduce (../shared/BENCHMARKS.md), seconds. When ranks outnumber cores the
+// per-byte terms are stretched by p / cores (they time-share).
+double model_all_reduce(Algorithm a, double n, int p, const PingPong& pp, double gamma, double copy_beta,
+                        size_t stage_bytes, int cores) {
+  const double P = p;
+  const double share = std::max(1.0, P / cores);
+  const double lg = std::ceil(std::log2(P));
+  switch (a) {
+    case Algorithm::ring:
+      return 2 * (P - 1) * pp.alpha + share * (2 * n * (P - 1) / P * pp.beta + n * (P - 1) / P * gamma);
+    case Algorithm::halving_doubling:
+      return 2 * lg * pp.alpha + share * (2 * n * (P - 1) / P * pp.beta + n * (P - 1) / P * gamma);
+    case Algorithm::recursive_doubling:
+      return lg * pp.alpha + share * lg * n * (pp.beta + gamma);
+    case Algorithm::direct: {
+      // Per chunk: copy in (n), reduce a 1/p slice from p-1 slots, copy out (n); two syncs per
+      // chunk, each about one one-way latency.
+      const double chunks = std::max(1.0, std::ceil(n / static_cast<double>(stage_bytes)));
+      const bool small = n <= 16384;
+      const double bytes_moved = small ? n + (P - 1) * n : 2 * n;
+      const double reduced = small ? (P - 1) * n : n * (P - 1) / P;
+      return chunks * (small ? 1 : 2) * pp.alpha + share * (bytes_moved * copy_beta + reduced * gamma);
+    }
+    default:
+      return 0;
+  }
+}
+
+size_t parse_bytes(const std::string& text) {
+  size_t mult = 1;
+  std::string digits = text;
+  if (!text.empty()) {
+    switch (text.back()) {
+      case 'K': case 'k': mult = size_t{1} << 10; break;
+      case 'M': case 'm': mult = size_t{1} << 20; break;
+      case 'G': case 'g': mult = size_t{1} << 30; break;
+      default: break;
+    }
+    if (mult != 1) digits.pop_back();
+  }
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(digits.c_str(), &end, 10);
+  DT_CHECK(!digits.empty() && end != nullptr && *end == '\0', "bench", "'{}' is not a byte count (e.g. 8, 64K, 256M)",
+           text);
+  return static_cast<size_t>(v) * mult;
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = s.find(',', start);
+    const size_t end = comma == std::string::npos ? s.size() : comma;
+    if (end > start) out.push_back(s.substr(start, end - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+int worker(const CollBenchOptions& o) {
+  const Op op = parse_op_name(o.op);
+  const DataType dtype = comm::parse_dtype(o.dtype);
+  const ReduceOp redop = comm::parse_op(o.redop);
+  const size_t min_bytes = parse_bytes(o.min_bytes), max_bytes = parse_bytes(o.max_bytes);
+  DT_CHECK(min_bytes >= 1 && min_bytes <= max_bytes, "bench", "--min-bytes {} must be in [1, --max-bytes {}]",
+           min_bytes, max_bytes);
+  DT_CHECK(o.iters >= 1 && o.warmup >= 0, "bench", "--iters must be >= 1 and --warmup >= 0");
+  std::vector<Algorithm> algos;
+  for (const auto& a : split_list(o.algo)) algos.push_back(comm::parse_algorithm(a));
+  DT_CHECK(!algos.empty(), "bench", "--algo is empty");
+
+  comm::GroupOptions gopts;
+  gopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  gopts.transport = o.transport;
+  Group world = Group::from_env(gopts);
+  const int rank = world.rank(), p = world.size();
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const char* stage_env = std::getenv("DTRAIN_SHM_STAGE_BYTES");
+  const size_t stage_bytes = stage_env != nullptr ? parse_bytes(stage_env) : size_t{1} << 20;
+
+  // Machine figures, measured on rank 0 while the others sleep in a barrier.
+  double copy_gbs = 0, gamma = 0;
+  if (rank == 0) {
+    copy_gbs = memcpy_gbs();
+    gamma = reduce_gamma(dtype);
+  }
+  world.barrier();
+  PingPong pp;
+  if (o.model && p >= 2) pp = ping_pong(world);
+  world.broadcast(&copy_gbs, 1, DataType::f64, 0);
+
+  nlohmann::json doc;
+  doc["tool"] = "dtrain";
+  doc["op"] = o.op;
+  doc["world"] = p;
+  doc["transport"] = world.transport_kind();
+  doc["dtype"] = o.dtype;
+  doc["redop"] = o.redop;
+  doc["iters"] = o.iters;
+  doc["warmup"] = o.warmup;
+  doc["inplace"] = o.inplace;
+  doc["memcpy_GBs"] = copy_gbs;
+  doc["cores"] = cores;
+  doc["rows"] = nlohmann::json::array();
+  if (rank == 0) {
+    std::printf("# dtrain bench collectives: %s, %d ranks, transport %s, dtype %s, redop %s, %s, %d iters (%d warm-up)\n",
+                o.op.c_str(), p, world.transport_kind().c_str(), o.dtype.c_str(), o.redop.c_str(),
+                o.inplace ? "in place" : "out of place", o.iters, o.warmup);
+    std::printf("# memcpy (one core): %.2f GB/s; busbw/memcpy is the fraction of it\n", copy_gbs);
+    if (o.model && p >= 2) {
+      std::printf("# ping-pong rank 0 <-> 1 (%s): alpha %.2f us, beta %.4f ns/B (%.2f GB/s); reduce gamma %.4f ns/B\n",
+                  world.transport_kind().c_str(), pp.alpha * 1e6, pp.beta * 1e9, 1e-9 / pp.beta, gamma * 1e9);
+      for (auto [b, t] : pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
+      doc["alpha_us"] = pp.alpha * 1e6;
+      doc["beta_ns_per_byte"] = pp.beta * 1e9;
+      doc["gamma_ns_per_byte"] = gamma * 1e9;
+    }
+    std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %7s %6s%s\n", "size", "count", "type", "redop", "algo",
+                "p50_us", "p99_us", "algbw", "busbw", "bus/cpy", "wrong", o.model ? "   model_us  meas/model" : "");
+    std::fflush(stdout);
+  }
+
+  uint64_t total_wrong = 0;
+  for (Algorithm algo : algos) {
+    comm::GroupOptions sub = gopts;
+    sub.algorithm = algo;
+    Group g = world.split(0, rank, sub);
+    for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+      Case c(op, g, dtype, redop, o.inplace, bytes);
+      if (c.count == 0 && bytes > min_bytes) continue;
+      // Correctness first, on fresh inputs (the timed runs may overflow the in-place data).
+      c.fill();
+      g.barrier();
+      c.run();
+      uint64_t wrong = c.wrong();
+      if (o.check) {
+        for (int k = 0; k < 2; ++k) {
+          c.fill();
+          c.run();
+          wrong += c.wrong();
+        }
+      }
+      for (int k = 0; k < o.warmup; ++k) c.run();
+      std::vector<double> times(static_cast<size_t>(o.iters));
+      for (int k = 0; k < o.iters; ++k) {
+        g.barrier();
+        const double t0 = now_s();
+        c.run();
+        times[static_cast<size_t>(k)] = now_s() - t0;
+      }
+      // The time of an iteration is that of its slowest rank.
+      g.all_reduce(times.data(), times.data(), times.size(), DataType::f64, ReduceOp::max);
+      g.all_reduce(&wrong, &wrong, 1, DataType::i64, ReduceOp::sum);
+      total_wrong += wrong;
+      if (rank != 0) continue;
+      const double p50 = percentile(times, 0.5), p99 = percentile(times, 0.99);
+      const double data_bytes = static_cast<double>(c.count * c.es());
+      const double algbw = data_bytes / p50 / 1e9;
+      const double busbw = algbw * bus_factor(op, p);
+      const Algorithm ran = op == Op::allreduce ? g.all_reduce_algorithm(c.count * c.es()) : algo;
+      double model = 0;
+      if (o.model && op == Op::allreduce && p >= 2) {
+        model = model_all_reduce(ran, data_bytes, p, pp, gamma, 1e-9 / copy_gbs, stage_bytes, cores);
+      }
+      std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
+                  c.count, o.dtype.c_str(), o.redop.c_str(), comm::name_of(ran), p50 * 1e6, p99 * 1e6, algbw, busbw,
+                  busbw / copy_gbs, static_cast<unsigned long long>(wrong));
+      if (model > 0) std::printf(" %10.2f %11.2f", model * 1e6, p50 / model);
+      std::printf("\n");
+      std::fflush(stdout);
+      nlohmann::json row = {{"bytes", static_cast<size_t>(data_bytes)},
+                            {"count", c.count},
+                            {"type", o.dtype},
+                            {"redop", o.redop},
+                            {"algo", comm::name_of(ran)},
+                            {"p50_us", p50 * 1e6},
+                            {"p99_us", p99 * 1e6},
+                            {"algbw_GBs", algbw},
+                            {"busbw_GBs", busbw},
+                            {"wrong", wrong}};
+      if (model > 0) row["model_us"] = model * 1e6;
+      doc["rows"].push_back(row);
+    }
+  }
+  if (rank == 0) {
+    if (total_wrong != 0) std::printf("# WRONG RESULTS: %llu elements differ\n", static_cast<unsigned long long>(total_wrong));
+    if (!o.json.empty()) {
+      std::ofstream f(o.json);
+      DT_CHECK(f.good(), "bench", "cannot write --json {}", o.json);
+      f << doc.dump(1) << "\n";
+    }
+  }
+  world.barrier();
+  return total_wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int run_bench_collectives(const CollBenchOptions& o, const std::vector<std::string>& argv) {
+  if (std::getenv("RANK") != nullptr) return worker(o);
+  DT_CHECK(o.nranks >= 1 && o.nranks <= 256, "bench", "-n {}: expected 1..256 ranks", o.nranks);
+  // Not started by a launcher: launch -n copies of this very command.
+  char self[4096] = {};
+  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  DT_CHECK(len > 0, "bench", "cannot find this program's path (/proc/self/exe)");
+  launch::LaunchOptions lo;
+  lo.nproc_per_node = o.nranks;
+  lo.prefix_output = false;
+  lo.command.push_back(std::string(self, static_cast<size_t>(len)));
+  lo.command.insert(lo.command.end(), argv.begin() + 1, argv.end());
+  return tools::run_launch(lo);
+}
+
+}  // namespace dtrain::tools
