@@ -3,7 +3,7 @@ PRESET ?= release
 BUILD := build/$(PRESET)
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps build test test-asan demo bench clean format lint
+.PHONY: all deps build test test-asan fuzz demo bench clean format lint
 
 all: build
 
@@ -14,9 +14,23 @@ build: deps
 	@cmake --preset $(PRESET) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# Every test of the release build (the CI run).
+# Every test of the release build, then a bounded libFuzzer run (the CI run).
 test: build
 	@ctest --preset $(PRESET) -j $(JOBS)
+	@$(MAKE) --no-print-directory fuzz
+
+# libFuzzer (clang, AddressSanitizer) on the TCP store's frame decoder for FUZZ_SECONDS;
+# new inputs go to build/fuzz/corpus, the seeds stay in fuzz/corpus.
+FUZZ_SECONDS ?= 30
+fuzz: deps
+	@cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+	  -DDTRAIN_FUZZ=ON >/dev/null
+	@cmake --build build/fuzz -j $(JOBS) --target store_frame_fuzz
+	@mkdir -p build/fuzz/corpus
+	@build/fuzz/fuzz/store_frame_fuzz -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	  build/fuzz/corpus fuzz/corpus/store_frame >build/fuzz/fuzz.log 2>&1 \
+	  || { tail -40 build/fuzz/fuzz.log; echo "fuzz: store_frame_fuzz FAILED (log: build/fuzz/fuzz.log)"; exit 1; }
+	@grep -E "^Done|executed_units|new_units" build/fuzz/fuzz.log | sed 's/^/fuzz: /'
 
 # The same tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 test-asan:

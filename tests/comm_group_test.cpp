@@ -149,3 +149,28 @@ TEST(Group, TimeoutNamesTheRankThatDidNotArriveAndBreaksTheGroup) {
 }
 
 }  // namespace
+
+// An asynchronous send larger than the transport's ring followed by a blocking receive, all
+// ranks at once around a ring: the receive must not queue behind the send (that deadlocks).
+TEST(Group, AsyncSendThenBlockingRecvAroundARingDoesNotDeadlock) {
+  const size_t n = size_t{3} << 20;  // 12 MiB of f32, far more than a 1 MiB ring
+  for (int p : {2, 3, 5}) {
+    run_ranks(p, [&](Group& g) {
+      const int r = g.rank();
+      std::vector<float> out(n), in(n, -1.0f);
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(r * 1000 + static_cast<int>(i % 997));
+      Work w = g.send_async(out.data(), n, DataType::f32, (r + 1) % p, 3);
+      Work w2 = g.send_async(out.data(), 5, DataType::f32, (r + 1) % p, 4);
+      g.recv(in.data(), n, DataType::f32, (r + p - 1) % p, 3);
+      std::vector<float> small(5);
+      Work rw = g.recv_async(small.data(), 5, DataType::f32, (r + p - 1) % p, 4);
+      w.wait(std::chrono::seconds(60));
+      w2.wait(std::chrono::seconds(60));
+      rw.wait(std::chrono::seconds(60));
+      const int from = (r + p - 1) % p;
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(in[i], static_cast<float>(from * 1000 + static_cast<int>(i % 997))) << i;
+      for (size_t i = 0; i < 5; ++i) ASSERT_EQ(small[i], static_cast<float>(from * 1000 + static_cast<int>(i)));
+      g.barrier();
+    });
+  }
+}

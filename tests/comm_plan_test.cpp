@@ -123,6 +123,16 @@ class LoopbackTransport : public Transport {
     for (RequestId id : ids) requests_.erase(id);
   }
 
+  bool test(const std::vector<RequestId>& ids) override {
+    std::lock_guard<std::mutex> lock(hub_.mu);
+    if (hub_.aborted)
+      throw TransportError(TransportError::Kind::aborted, {}, "loopback aborted: " + hub_.reason, __FILE__, __LINE__);
+    progress_locked();
+    if (!all_done(ids)) return false;
+    for (RequestId id : ids) requests_.erase(id);
+    return true;
+  }
+
   void abort(const std::string& reason) override { hub_.abort(reason); }
 
   void reset() {

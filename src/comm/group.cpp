@@ -11,6 +11,7 @@
 #include <functional>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -99,25 +100,118 @@ struct Group::Impl {
     if (worker.joinable()) worker.join();
   }
 
+  // Point-to-point operations in flight: posted to the transport, completed by polling. Only
+  // touched by the thread that holds `busy`.
+  struct Inflight {
+    RequestId id;
+    std::shared_ptr<Work::State> state;
+    std::string what;  // "send to rank 2 (tag 5)"
+    Deadline deadline;
+    int peer;
+  };
+  std::deque<Inflight> inflight;
+  size_t inflight_count = 0;  // inflight.size(), readable under mu
+
   void run() {
+    int idle_polls = 0;
     while (true) {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return (stopping && queue.empty()) || (!queue.empty() && !busy); });
-        if (queue.empty()) return;  // stopping and drained
-        task = std::move(queue.front());
-        queue.pop_front();
+        auto runnable = [&] { return !queue.empty() && !busy; };
+        if (inflight_count == 0) {
+          cv.wait(lock, [&] { return (stopping && queue.empty()) || runnable(); });
+        } else if (!runnable()) {
+          // Sends and receives in flight: poll them, spinning at first, then backing off to 1 ms.
+          const auto pause = std::chrono::microseconds(idle_polls < 64 ? 0 : std::min(1000, 10 * (idle_polls - 63)));
+          if (pause.count() > 0) cv.wait_for(lock, pause, runnable);
+        }
+        if (busy) {  // a blocking call runs inline and owns the transport
+          cv.wait(lock, [&] { return !busy; });
+          continue;
+        }
+        if (stopping && queue.empty()) {
+          fail_inflight("the group was destroyed while it was pending");
+          return;
+        }
         busy = true;
+        if (!queue.empty()) {
+          task = std::move(queue.front());
+          queue.pop_front();
+        }
       }
-      task();
+      if (task) {
+        task();
+        idle_polls = 0;
+      }
+      const bool progressed = poll_inflight();
+      idle_polls = progressed ? 0 : idle_polls + 1;
       {
         std::lock_guard<std::mutex> lock(mu);
         busy = false;
+        inflight_count = inflight.size();
       }
       cv.notify_all();
+      if (!task && idle_polls > 0 && idle_polls < 64) std::this_thread::yield();
     }
   }
+
+  // Completes the in-flight operations that finished; true if any did. A failure or a passed
+  // deadline fails them all and breaks the group, as a failed collective does.
+  bool poll_inflight() {
+    bool any = false;
+    try {
+      for (auto it = inflight.begin(); it != inflight.end();) {
+        if (transport->test({it->id})) {
+          it->state->finish(nullptr);
+          it = inflight.erase(it);
+          any = true;
+        } else if (Clock::now() >= it->deadline) {
+          throw TransportError(TransportError::Kind::timeout, {it->peer},
+                               fmt::format("{} not complete after {} ms", it->what, options.timeout.count()),
+                               __FILE__, __LINE__);
+        } else {
+          ++it;
+        }
+      }
+    } catch (const TransportError& e) {
+      if (e.kind() != TransportError::Kind::aborted) {
+        abort(fmt::format("rank {} failed in point-to-point: {}", rank, e.message()));
+      }
+      broken = std::make_exception_ptr(CommError(inflight.front().state->op, inflight.front().state->seq, e.peers(),
+                                                 e.message(), __FILE__, __LINE__));
+      fail_inflight(e.message());
+      return true;
+    }
+    return any;
+  }
+
+  void fail_inflight(const std::string& why) {
+    for (auto& f : inflight) {
+      f.state->finish(std::make_exception_ptr(
+          CommError(f.state->op, f.state->seq, {f.peer}, fmt::format("{}: {}", f.what, why), __FILE__, __LINE__)));
+    }
+    inflight.clear();
+  }
+
+  // Posts a send or receive; it completes later, from poll_inflight (or in a blocking call).
+  Work start_p2p(bool is_send, void* buffer, size_t bytes, int peer, uint32_t tag, bool blocking) {
+    const std::string what = fmt::format("{} rank {} (tag {}, {} bytes)", is_send ? "send to" : "recv from", peer, tag, bytes);
+    return dispatch(is_send ? "send" : "recv", false, blocking,
+                    [this, is_send, buffer, bytes, peer, tag, blocking, what](uint64_t, Deadline deadline) -> bool {
+                      Transport& t = *transport;
+                      const uint64_t wire_tag = (uint64_t{1} << 63) | tag;
+                      const RequestId id = is_send ? t.post_send(peer, wire_tag, buffer, bytes)
+                                                   : t.post_recv(peer, wire_tag, buffer, bytes);
+                      if (blocking) {
+                        t.wait({id}, deadline);
+                        return true;
+                      }
+                      pending_post = Inflight{id, nullptr, what, deadline, peer};
+                      return false;
+                    });
+  }
+  std::optional<Inflight> pending_post;  // set by a p2p body that left its request in flight
 
   void abort(const std::string& reason) {
     if (transport) transport->abort(reason);
@@ -126,8 +220,7 @@ struct Group::Impl {
   // Runs body(seq, deadline) in issue order and returns its Work. A blocking call issued while
   // nothing is queued or running runs inline in the caller's thread (no hand-off to the
   // progress thread: this is the latency of small collectives); everything else is queued.
-  Work dispatch(const std::string& op, bool collective, bool blocking,
-                std::function<void(uint64_t, Deadline)> body) {
+  Work dispatch(const std::string& op, bool collective, bool blocking, std::function<bool(uint64_t, Deadline)> body) {
     auto state = std::make_shared<Work::State>();
     state->op = op;
     state->default_timeout = options.timeout;
@@ -137,7 +230,7 @@ struct Group::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       state->seq = collective ? collective_seq++ : p2p_seq++;
-      task = [this, state, op, body = std::move(body)] { execute_task(*state, op, body); };
+      task = [this, state, op, body = std::move(body)] { execute_task(state, op, body); };
       if (blocking && queue.empty() && !busy) {
         busy = true;
         run_now = true;
@@ -156,7 +249,9 @@ struct Group::Impl {
     return Work(state);
   }
 
-  void execute_task(Work::State& state, const std::string& op, const std::function<void(uint64_t, Deadline)>& body) {
+  void execute_task(const std::shared_ptr<Work::State>& state_ptr, const std::string& op,
+                    const std::function<bool(uint64_t, Deadline)>& body) {
+    Work::State& state = *state_ptr;
     const uint64_t seq = state.seq;
     if (broken) {
       try {
@@ -169,8 +264,14 @@ struct Group::Impl {
       return;
     }
     try {
-      body(seq, deadline_after(options.timeout));
-      state.finish(nullptr);
+      if (body(seq, deadline_after(options.timeout))) {
+        state.finish(nullptr);
+      } else {
+        Inflight f = std::move(*pending_post);
+        pending_post.reset();
+        f.state = state_ptr;
+        inflight.push_back(std::move(f));
+      }
     } catch (const TransportError& e) {
       auto err = std::make_exception_ptr(CommError(op, seq, e.peers(), e.message(), __FILE__, __LINE__));
       broken = err;
@@ -201,12 +302,14 @@ struct Group::Impl {
     return dispatch(op, true, blocking,
                     [this, plan = std::move(plan), in, out, dtype, rop](uint64_t seq, Deadline deadline) {
                       execute(plan, *transport, in, out, dtype, rop, seq << 20, deadline);
+                      return true;
                     });
   }
 
   Work run_direct(const std::string& op, bool blocking, std::function<void(DirectCollectives&, Deadline)> body) {
     return dispatch(op, true, blocking, [this, body = std::move(body)](uint64_t, Deadline deadline) {
       body(*transport->direct(), deadline);
+      return true;
     });
   }
 };
@@ -402,15 +505,7 @@ void check_peer(const Impl& g, int peer, const char* op) {
 Work p2p_impl(Impl& g, bool is_send, void* buffer, size_t count, DataType dtype, int peer, uint32_t tag,
               bool blocking) {
   check_peer(g, peer, is_send ? "send" : "recv");
-  const size_t bytes = count * size_of(dtype);
-  return g.dispatch(is_send ? "send" : "recv", false, blocking,
-                    [&g, is_send, buffer, bytes, peer, tag](uint64_t, Deadline deadline) {
-                      Transport& t = *g.transport;
-                      const uint64_t wire_tag = (uint64_t{1} << 63) | tag;
-                      t.wait({is_send ? t.post_send(peer, wire_tag, buffer, bytes)
-                                      : t.post_recv(peer, wire_tag, buffer, bytes)},
-                             deadline);
-                    });
+  return g.start_p2p(is_send, buffer, count * size_of(dtype), peer, tag, blocking);
 }
 
 }  // namespace

@@ -199,16 +199,7 @@ class ShmTransport final : public Transport {
   void wait(const std::vector<RequestId>& ids, Deadline deadline) override {
     UseGuard guard(in_use_);
     if (broken_) std::rethrow_exception(broken_);
-    std::vector<Request*> listed;
-    listed.reserve(ids.size());
-    for (RequestId id : ids) {
-      auto it = requests_.find(id);
-      if (it != requests_.end()) {
-        listed.push_back(&it->second);
-      } else if (id == 0 || id >= next_id_) {
-        DT_THROW("comm", "shm wait: unknown request id {} (rank {} issued ids 1..{})", id, rank_, next_id_ - 1);
-      }  // else: completed and reaped by an earlier wait
-    }
+    std::vector<Request*> listed = find(ids);
     try {
       drive(listed, deadline);
     } catch (const TransportError& e) {
@@ -217,6 +208,29 @@ class ShmTransport final : public Transport {
       throw;
     }
     for (Request* r : listed) requests_.erase(r->id);
+  }
+
+  bool test(const std::vector<RequestId>& ids) override {
+    UseGuard guard(in_use_);
+    if (broken_) std::rethrow_exception(broken_);
+    std::vector<Request*> listed = find(ids);
+    size_t cursor = 0;
+    try {
+      check_abort();
+      pass();
+      if (!all_complete(listed, cursor)) {
+        const auto now = Clock::now();
+        if (now - last_test_liveness_ < kLivenessPeriod) return false;
+        last_test_liveness_ = now;
+        check_liveness(listed);
+        if (!all_complete(listed, cursor)) return false;
+      }
+    } catch (const TransportError&) {
+      broken_ = std::current_exception();
+      throw;
+    }
+    for (Request* r : listed) requests_.erase(r->id);
+    return true;
   }
 
   void abort(const std::string& reason) override {
@@ -233,6 +247,20 @@ class ShmTransport final : public Transport {
   }
 
  private:
+  std::vector<Request*> find(const std::vector<RequestId>& ids) {
+    std::vector<Request*> listed;
+    listed.reserve(ids.size());
+    for (RequestId id : ids) {
+      auto it = requests_.find(id);
+      if (it != requests_.end()) {
+        listed.push_back(&it->second);
+      } else if (id == 0 || id >= next_id_) {
+        DT_THROW("comm", "shm wait: unknown request id {} (rank {} issued ids 1..{})", id, rank_, next_id_ - 1);
+      }  // else: completed and reaped by an earlier wait
+    }
+    return listed;
+  }
+
   Request& add_request(bool is_send, int peer, uint64_t tag, void* data, size_t bytes, const char* op) {
     if (peer < 0 || peer >= size_) {
       DT_THROW("comm", "shm {}: peer {} out of range (rank {} of a group of {})", op, peer, rank_, size_);
@@ -594,6 +622,7 @@ class ShmTransport final : public Transport {
   RequestId next_id_ = 1;
   std::exception_ptr broken_;
   std::atomic<bool> in_use_{false};
+  Clock::time_point last_test_liveness_{};
   shm::Collectives collectives_;
 };
 

@@ -137,13 +137,14 @@ struct Case {
   size_t block;  // elements per rank where the collective has blocks
   std::vector<char> send, recv;
 
-  Case(Op o, Group& group, DataType t, ReduceOp r, bool in_place, size_t bytes)
+  // `elements`: the whole vector, or (all_gather, reduce_scatter, all_to_all) each rank's block.
+  Case(Op o, Group& group, DataType t, ReduceOp r, bool in_place, size_t elements)
       : op(o), g(&group), dtype(t), redop(r), inplace(in_place) {
     const size_t es = comm::size_of(t);
     const size_t p = static_cast<size_t>(group.size());
-    count = bytes / es;
-    block = count / p;
-    if (op == Op::allgather || op == Op::reducescatter || op == Op::alltoall) count = block * p;
+    const bool blocks = op == Op::allgather || op == Op::reducescatter || op == Op::alltoall;
+    block = blocks ? elements : elements / p;
+    count = blocks ? elements * p : elements;
     const size_t send_elems = op == Op::allgather ? block : count;
     const size_t recv_elems = op == Op::reducescatter ? block : count;
     send.assign(std::max<size_t>(1, send_elems * es), 0);
@@ -376,37 +377,137 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
+struct Machine {
+  int cores = 1;
+  size_t stage_bytes = size_t{1} << 20;
+  double copy_gbs = 0;
+  double gamma = 0;
+  PingPong pp;
+  bool model = false;
+};
+
+// One sweep over `sizes` of one collective with one algorithm, dtype, op and placement.
+// Returns the elements that were wrong (summed over ranks).
+uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string& op_name, Algorithm algo,
+               DataType dtype, ReduceOp redop, bool inplace, const std::vector<size_t>& sizes, const Machine& m,
+               nlohmann::json& rows) {
+  comm::GroupOptions sub;
+  sub.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  sub.transport = o.transport;
+  sub.algorithm = algo;
+  Group g = world.split(0, world.rank(), sub);
+  const int rank = g.rank(), p = g.size();
+  const bool reducing = op == Op::allreduce || op == Op::reducescatter;
+  if (rank == 0) {
+    std::printf("# %s %s%s%s, %s, algo %s\n", op_name.c_str(), comm::name_of(dtype), reducing ? " " : "",
+                reducing ? comm::name_of(redop) : "", inplace ? "in place" : "out of place", comm::name_of(algo));
+    std::fflush(stdout);
+  }
+  uint64_t total_wrong = 0;
+  for (size_t elements : sizes) {
+    Case c(op, g, dtype, redop, inplace, elements);
+    // Correctness first, on fresh inputs (the timed runs may overflow the in-place data).
+    c.fill();
+    g.barrier();
+    c.run();
+    uint64_t wrong = c.wrong();
+    if (o.check) {
+      for (int k = 0; k < 2; ++k) {
+        c.fill();
+        c.run();
+        wrong += c.wrong();
+      }
+    }
+    for (int k = 0; k < o.warmup; ++k) c.run();
+    std::vector<double> times(static_cast<size_t>(o.iters));
+    for (int k = 0; k < o.iters; ++k) {
+      g.barrier();
+      const double t0 = now_s();
+      c.run();
+      times[static_cast<size_t>(k)] = now_s() - t0;
+    }
+    // The time of an iteration is that of its slowest rank.
+    g.all_reduce(times.data(), times.data(), times.size(), DataType::f64, ReduceOp::max);
+    g.all_reduce(&wrong, &wrong, 1, DataType::i64, ReduceOp::sum);
+    total_wrong += wrong;
+    if (rank != 0) continue;
+    const double p50 = percentile(times, 0.5), p99 = percentile(times, 0.99);
+    const double data_bytes = static_cast<double>(c.count * c.es());
+    const double algbw = data_bytes / p50 / 1e9;
+    const double busbw = algbw * bus_factor(op, p);
+    // What actually ran: the direct path where the group uses it for this collective.
+    const bool direct_op = op != Op::sendrecv && op != Op::alltoall;
+    Algorithm ran = algo;
+    if (op == Op::allreduce) ran = g.all_reduce_algorithm(c.count * c.es());
+    if (direct_op && g.all_reduce_algorithm(0) == Algorithm::direct) ran = Algorithm::direct;
+    double model = 0;
+    if (m.model && op == Op::allreduce && p >= 2) {
+      model = model_all_reduce(ran, data_bytes, p, m.pp, m.gamma, 1e-9 / m.copy_gbs, m.stage_bytes, m.cores);
+    }
+    std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
+                c.count, comm::name_of(dtype), reducing ? comm::name_of(redop) : "-", comm::name_of(ran), p50 * 1e6,
+                p99 * 1e6, algbw, busbw, busbw / m.copy_gbs, static_cast<unsigned long long>(wrong));
+    if (model > 0) std::printf(" %10.2f %11.2f", model * 1e6, p50 / model);
+    std::printf("\n");
+    std::fflush(stdout);
+    nlohmann::json row = {{"op", op_name},
+                          {"bytes", static_cast<size_t>(data_bytes)},
+                          {"count", c.count},
+                          {"type", comm::name_of(dtype)},
+                          {"redop", comm::name_of(redop)},
+                          {"inplace", inplace},
+                          {"algo", comm::name_of(ran)},
+                          {"p50_us", p50 * 1e6},
+                          {"p99_us", p99 * 1e6},
+                          {"algbw_GBs", algbw},
+                          {"busbw_GBs", busbw},
+                          {"wrong", wrong}};
+    if (model > 0) row["model_us"] = model * 1e6;
+    rows.push_back(row);
+  }
+  return total_wrong;
+}
+
 int worker(const CollBenchOptions& o) {
-  const Op op = parse_op_name(o.op);
-  const DataType dtype = comm::parse_dtype(o.dtype);
-  const ReduceOp redop = comm::parse_op(o.redop);
   const size_t min_bytes = parse_bytes(o.min_bytes), max_bytes = parse_bytes(o.max_bytes);
   DT_CHECK(min_bytes >= 1 && min_bytes <= max_bytes, "bench", "--min-bytes {} must be in [1, --max-bytes {}]",
            min_bytes, max_bytes);
   DT_CHECK(o.iters >= 1 && o.warmup >= 0, "bench", "--iters must be >= 1 and --warmup >= 0");
+  // Every list option is validated before any rank joins, so a typo fails fast on every rank.
+  std::vector<std::string> op_names = split_list(o.op);
+  std::vector<Op> ops;
+  for (const auto& s : op_names) ops.push_back(parse_op_name(s));
+  std::vector<DataType> dtypes;
+  for (const auto& s : split_list(o.dtype)) dtypes.push_back(comm::parse_dtype(s));
+  std::vector<ReduceOp> redops;
+  for (const auto& s : split_list(o.redop)) redops.push_back(comm::parse_op(s));
   std::vector<Algorithm> algos;
   for (const auto& a : split_list(o.algo)) algos.push_back(comm::parse_algorithm(a));
-  DT_CHECK(!algos.empty(), "bench", "--algo is empty");
+  DT_CHECK(!ops.empty() && !dtypes.empty() && !redops.empty() && !algos.empty(), "bench",
+           "--op, --dtype, --redop and --algo need at least one value each");
+  std::vector<size_t> counts;
+  for (const auto& c : split_list(o.counts)) counts.push_back(parse_bytes(c));
+  std::vector<bool> placements = {o.inplace};
+  if (o.all_placements) placements = {false, true};
 
   comm::GroupOptions gopts;
   gopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
   gopts.transport = o.transport;
   Group world = Group::from_env(gopts);
   const int rank = world.rank(), p = world.size();
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const char* stage_env = std::getenv("DTRAIN_SHM_STAGE_BYTES");
-  const size_t stage_bytes = stage_env != nullptr ? parse_bytes(stage_env) : size_t{1} << 20;
 
+  Machine m;
+  m.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (const char* stage_env = std::getenv("DTRAIN_SHM_STAGE_BYTES")) m.stage_bytes = parse_bytes(stage_env);
   // Machine figures, measured on rank 0 while the others sleep in a barrier.
-  double copy_gbs = 0, gamma = 0;
   if (rank == 0) {
-    copy_gbs = memcpy_gbs();
-    gamma = reduce_gamma(dtype);
+    m.copy_gbs = memcpy_gbs();
+    m.gamma = reduce_gamma(dtypes.front());
   }
   world.barrier();
-  PingPong pp;
-  if (o.model && p >= 2) pp = ping_pong(world);
-  world.broadcast(&copy_gbs, 1, DataType::f64, 0);
+  m.model = o.model && p >= 2;
+  if (m.model) m.pp = ping_pong(world);
+  world.broadcast(&m.copy_gbs, 1, DataType::f64, 0);
 
   nlohmann::json doc;
   doc["tool"] = "dtrain";
@@ -418,87 +519,49 @@ int worker(const CollBenchOptions& o) {
   doc["iters"] = o.iters;
   doc["warmup"] = o.warmup;
   doc["inplace"] = o.inplace;
-  doc["memcpy_GBs"] = copy_gbs;
-  doc["cores"] = cores;
+  doc["memcpy_GBs"] = m.copy_gbs;
+  doc["cores"] = m.cores;
   doc["rows"] = nlohmann::json::array();
   if (rank == 0) {
-    std::printf("# dtrain bench collectives: %s, %d ranks, transport %s, dtype %s, redop %s, %s, %d iters (%d warm-up)\n",
-                o.op.c_str(), p, world.transport_kind().c_str(), o.dtype.c_str(), o.redop.c_str(),
-                o.inplace ? "in place" : "out of place", o.iters, o.warmup);
-    std::printf("# memcpy (one core): %.2f GB/s; busbw/memcpy is the fraction of it\n", copy_gbs);
-    if (o.model && p >= 2) {
+    std::printf("# dtrain bench collectives: %d ranks, transport %s, %d iters (%d warm-up), time = slowest rank\n", p,
+                world.transport_kind().c_str(), o.iters, o.warmup);
+    std::printf("# memcpy (one core): %.2f GB/s; bus/cpy = busbw as a fraction of it\n", m.copy_gbs);
+    if (m.model) {
       std::printf("# ping-pong rank 0 <-> 1 (%s): alpha %.2f us, beta %.4f ns/B (%.2f GB/s); reduce gamma %.4f ns/B\n",
-                  world.transport_kind().c_str(), pp.alpha * 1e6, pp.beta * 1e9, 1e-9 / pp.beta, gamma * 1e9);
-      for (auto [b, t] : pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
-      doc["alpha_us"] = pp.alpha * 1e6;
-      doc["beta_ns_per_byte"] = pp.beta * 1e9;
-      doc["gamma_ns_per_byte"] = gamma * 1e9;
+                  world.transport_kind().c_str(), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
+      for (auto [b, t] : m.pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
+      doc["alpha_us"] = m.pp.alpha * 1e6;
+      doc["beta_ns_per_byte"] = m.pp.beta * 1e9;
+      doc["gamma_ns_per_byte"] = m.gamma * 1e9;
     }
     std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %7s %6s%s\n", "size", "count", "type", "redop", "algo",
-                "p50_us", "p99_us", "algbw", "busbw", "bus/cpy", "wrong", o.model ? "   model_us  meas/model" : "");
+                "p50_us", "p99_us", "algbw", "busbw", "bus/cpy", "wrong", m.model ? "   model_us  meas/model" : "");
     std::fflush(stdout);
   }
 
   uint64_t total_wrong = 0;
-  for (Algorithm algo : algos) {
-    comm::GroupOptions sub = gopts;
-    sub.algorithm = algo;
-    Group g = world.split(0, rank, sub);
-    for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
-      Case c(op, g, dtype, redop, o.inplace, bytes);
-      if (c.count == 0 && bytes > min_bytes) continue;
-      // Correctness first, on fresh inputs (the timed runs may overflow the in-place data).
-      c.fill();
-      g.barrier();
-      c.run();
-      uint64_t wrong = c.wrong();
-      if (o.check) {
-        for (int k = 0; k < 2; ++k) {
-          c.fill();
-          c.run();
-          wrong += c.wrong();
+  for (size_t oi = 0; oi < ops.size(); ++oi) {
+    const Op op = ops[oi];
+    const bool blocks = op == Op::allgather || op == Op::reducescatter || op == Op::alltoall;
+    const bool reducing = op == Op::allreduce || op == Op::reducescatter;
+    for (DataType dtype : dtypes) {
+      // Element counts: --counts, or powers of two of bytes (nccl-tests' size is the whole vector).
+      std::vector<size_t> sizes = counts;
+      if (sizes.empty()) {
+        const size_t es = comm::size_of(dtype);
+        for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+          const size_t elements = blocks ? bytes / es / static_cast<size_t>(p) : bytes / es;
+          if (elements == 0 && bytes < max_bytes) continue;
+          sizes.push_back(elements);
         }
       }
-      for (int k = 0; k < o.warmup; ++k) c.run();
-      std::vector<double> times(static_cast<size_t>(o.iters));
-      for (int k = 0; k < o.iters; ++k) {
-        g.barrier();
-        const double t0 = now_s();
-        c.run();
-        times[static_cast<size_t>(k)] = now_s() - t0;
+      for (ReduceOp redop : reducing ? redops : std::vector<ReduceOp>{ReduceOp::sum}) {
+        for (bool inplace : op == Op::allreduce ? placements : std::vector<bool>{false}) {
+          for (Algorithm algo : algos) {
+            total_wrong += sweep(o, world, op, op_names[oi], algo, dtype, redop, inplace, sizes, m, doc["rows"]);
+          }
+        }
       }
-      // The time of an iteration is that of its slowest rank.
-      g.all_reduce(times.data(), times.data(), times.size(), DataType::f64, ReduceOp::max);
-      g.all_reduce(&wrong, &wrong, 1, DataType::i64, ReduceOp::sum);
-      total_wrong += wrong;
-      if (rank != 0) continue;
-      const double p50 = percentile(times, 0.5), p99 = percentile(times, 0.99);
-      const double data_bytes = static_cast<double>(c.count * c.es());
-      const double algbw = data_bytes / p50 / 1e9;
-      const double busbw = algbw * bus_factor(op, p);
-      const Algorithm ran = op == Op::allreduce ? g.all_reduce_algorithm(c.count * c.es()) : algo;
-      double model = 0;
-      if (o.model && op == Op::allreduce && p >= 2) {
-        model = model_all_reduce(ran, data_bytes, p, pp, gamma, 1e-9 / copy_gbs, stage_bytes, cores);
-      }
-      std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
-                  c.count, o.dtype.c_str(), o.redop.c_str(), comm::name_of(ran), p50 * 1e6, p99 * 1e6, algbw, busbw,
-                  busbw / copy_gbs, static_cast<unsigned long long>(wrong));
-      if (model > 0) std::printf(" %10.2f %11.2f", model * 1e6, p50 / model);
-      std::printf("\n");
-      std::fflush(stdout);
-      nlohmann::json row = {{"bytes", static_cast<size_t>(data_bytes)},
-                            {"count", c.count},
-                            {"type", o.dtype},
-                            {"redop", o.redop},
-                            {"algo", comm::name_of(ran)},
-                            {"p50_us", p50 * 1e6},
-                            {"p99_us", p99 * 1e6},
-                            {"algbw_GBs", algbw},
-                            {"busbw_GBs", busbw},
-                            {"wrong", wrong}};
-      if (model > 0) row["model_us"] = model * 1e6;
-      doc["rows"].push_back(row);
     }
   }
   if (rank == 0) {

@@ -26,6 +26,7 @@ struct CollBenchOptions {
   std::string op = "allreduce";
   std::string min_bytes = "8";
   std::string max_bytes = "64M";
+  std::string counts;  // comma-separated element counts instead of the byte sweep
   std::string dtype = "f32";
   std::string redop = "sum";
   std::string algo = "auto";  // comma-separated list: one sweep per algorithm
@@ -34,6 +35,7 @@ struct CollBenchOptions {
   int warmup = 5;
   bool check = false;
   bool inplace = false;
+  bool all_placements = false;  // all_reduce both out of place and in place
   bool model = false;
   double timeout_s = 120;
   std::string json;

@@ -50,10 +50,15 @@ int main(int argc, char** argv) {
   CLI::App* colls = bench->add_subcommand(
       "collectives", "nccl-tests style sweep of one collective over message sizes on -n local processes");
   colls->add_option("-n,--nranks", coll.nranks, "ranks (processes) to launch")->capture_default_str();
-  colls->add_option("--op", coll.op, "allreduce|allgather|reducescatter|broadcast|sendrecv|alltoall")
+  colls->add_option("--op", coll.op,
+                    "allreduce|allgather|reducescatter|broadcast|sendrecv|alltoall, or a comma-separated list (also "
+                    "for --dtype, --redop, --algo: every combination runs)")
       ->capture_default_str();
   colls->add_option("--min-bytes,-b", coll.min_bytes, "smallest size (suffixes K, M, G)")->capture_default_str();
   colls->add_option("--max-bytes,-e", coll.max_bytes, "largest size (doubling from the smallest)")->capture_default_str();
+  colls->add_option("--counts", coll.counts,
+                    "comma-separated element counts instead of the byte sweep (per-rank blocks for allgather, "
+                    "reducescatter, alltoall)");
   colls->add_option("--dtype,-d", coll.dtype, "f32|bf16|f16|f64|i32|i64|u8")->capture_default_str();
   colls->add_option("--redop,-o", coll.redop, "sum|avg|max|min|prod")->capture_default_str();
   colls->add_option("--algo", coll.algo, "auto|direct|ring|hd|rd, or a comma-separated list (one sweep each)")
@@ -64,6 +69,7 @@ int main(int argc, char** argv) {
   colls->add_option("--timeout", coll.timeout_s, "seconds before a collective gives up")->capture_default_str();
   colls->add_flag("--check,-c", coll.check, "verify the result of extra runs too (one run is always verified)");
   colls->add_flag("--inplace", coll.inplace, "all_reduce in place (send == recv)");
+  colls->add_flag("--all-placements", coll.all_placements, "all_reduce both out of place and in place");
   colls->add_flag("--model", coll.model, "measure alpha/beta by ping-pong and print the cost model's time per row");
   colls->add_option("--json", coll.json, "write the results as JSON (rank 0)");
 

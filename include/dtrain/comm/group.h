@@ -2,10 +2,13 @@
 //
 // A Group is a cheap handle (copyable, shared) over a backend. Every collective exists in a
 // blocking form and an asynchronous form (suffix _async) that returns a Work. Ordering: the
-// asynchronous operations of one group run one at a time in the order they were issued, on
-// the group's progress thread; blocking calls are queued behind them (and run inline in the
-// caller's thread when nothing is queued). Every rank must issue the same collectives on a
-// group in the same order.
+// operations of one group start in the order they were issued, on the group's progress
+// thread (a blocking call issued while nothing is queued runs inline in the caller's thread).
+// A collective runs to completion before the next operation starts. A send or receive only
+// posts its message and completes later, as its peer matches it, so later operations start
+// meanwhile: `send_async` to the next rank then `recv` from the previous one works for any
+// size. Messages between two ranks are matched in the order they were posted. Every rank
+// must issue the same collectives on a group in the same order.
 //
 // Algorithms: on one host all_reduce, reduce_scatter, all_gather, broadcast and barrier run
 // the shm transport's direct collectives (reduced straight from shared staging buffers);

@@ -73,6 +73,11 @@ class Transport {
   virtual RequestId post_recv(int peer, uint64_t tag, void* data, size_t bytes) = 0;
   /// Drives progress until all `requests` completed; throws TransportError (see above).
   virtual void wait(const std::vector<RequestId>& requests, Deadline deadline) = 0;
+  /// Drives progress once without blocking; true when all `requests` completed (they are then
+  /// reaped as by wait). Throws TransportError like wait(), except that it never times out.
+  /// wait() and test() progress every queued request, listed or not, so a posted send moves
+  /// while the rank waits for something else (no deadlock between a send and a later recv).
+  virtual bool test(const std::vector<RequestId>& requests) = 0;
   /// Fails every current and future wait on this transport and, where the medium allows,
   /// on the peers' transports too (shm: a shared abort flag; tcp: closing connections).
   virtual void abort(const std::string& reason) = 0;
