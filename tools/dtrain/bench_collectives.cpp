@@ -3,6 +3,7 @@
 // bandwidth of this machine, and (--model) alpha/beta/gamma from ping-pong with the cost
 // model's prediction next to each measurement. Started without RANK in the environment it
 // launches -n copies of itself through dtrain launch.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -540,6 +541,7 @@ int worker(const CollBenchOptions& o) {
   }
 
   uint64_t total_wrong = 0;
+  const double wall0 = now_s();
   for (size_t oi = 0; oi < ops.size(); ++oi) {
     const Op op = ops[oi];
     const bool blocks = op == Op::allgather || op == Op::reducescatter || op == Op::alltoall;
@@ -564,7 +566,20 @@ int worker(const CollBenchOptions& o) {
       }
     }
   }
+  // CPU time of the whole run, all ranks together: with more ranks than cores a livelock (ranks
+  // spinning instead of sleeping) shows as CPU time far above wall time x cores.
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  double cpu[2] = {static_cast<double>(ru.ru_utime.tv_sec) + ru.ru_utime.tv_usec * 1e-6,
+                   static_cast<double>(ru.ru_stime.tv_sec) + ru.ru_stime.tv_usec * 1e-6};
+  world.all_reduce(cpu, cpu, 2, DataType::f64, ReduceOp::sum);
+  const double wall = now_s() - wall0;
+  doc["wall_s"] = wall;
+  doc["cpu_user_s"] = cpu[0];
+  doc["cpu_sys_s"] = cpu[1];
   if (rank == 0) {
+    std::printf("# wall %.2f s; CPU time of all %d ranks: user %.2f s + sys %.2f s = %.2f cores busy on average (%d cores)\n",
+                wall, p, cpu[0], cpu[1], (cpu[0] + cpu[1]) / wall, m.cores);
     if (total_wrong != 0) std::printf("# WRONG RESULTS: %llu elements differ\n", static_cast<unsigned long long>(total_wrong));
     if (!o.json.empty()) {
       std::ofstream f(o.json);
