@@ -33,9 +33,12 @@ struct Work::State {
   Duration default_timeout{0};
   std::function<void(const std::string&)> on_abandon;  // aborts the group when a wait gives up
 
+  Clock::time_point finished_at{};
+
   void finish(std::exception_ptr e) {
     {
       std::lock_guard<std::mutex> lock(mu);
+      finished_at = Clock::now();
       done = true;
       error = std::move(e);
     }
@@ -48,6 +51,12 @@ bool Work::test() {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (state_->done && state_->error) std::rethrow_exception(state_->error);
   return state_->done;
+}
+
+Clock::time_point Work::finish_time() const {
+  DT_CHECK(state_ != nullptr, "comm", "finish_time() on an empty Work");
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->finished_at;
 }
 
 void Work::wait(Duration timeout) {

@@ -48,6 +48,12 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"warmup", &c.warmup, "linear warmup steps"},
       {"min-lr", &c.min_lr, "cosine schedule: final learning rate"},
       {"clip-grad", &c.clip_grad, "clip gradients to this global L2 norm (0 = off)"},
+      {"dp", &c.dp, "data-parallel ranks: starts this many local worker processes (alias -n)"},
+      {"accumulate", &c.accumulate, "micro-steps per optimizer step; gradients sync only on the last"},
+      {"zero", &c.zero, "ZeRO stage: 0 off, 1 shards optimizer state, 2 also gradients"},
+      {"bucket-mb", &c.bucket_mb, "data parallel: gradient bucket size in MiB"},
+      {"overlap", &c.overlap, "data parallel: start each bucket's all_reduce during backward (false: after)"},
+      {"trace", &c.trace, "write a Chrome/Perfetto trace (JSON) of forward, backward, communication, optimizer"},
       {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
       {"threads", &c.threads, "BLAS threads per process"},
       {"log-every", &c.log_every, "steps between log lines and metrics records"},
@@ -113,7 +119,8 @@ void assign(const Target& target, const toml::node& node, const std::string& whe
 
 void add_train_options(CLI::App& app, TrainConfig& cfg) {
   for (auto& spec : option_table(cfg)) {
-    const std::string flag = std::string("--") + spec.name;
+    std::string flag = std::string("--") + spec.name;
+    if (std::string(spec.name) == "dp") flag = "-n,--dp";
     std::visit(
         [&](auto* p) {
           using T = std::remove_pointer_t<decltype(p)>;
@@ -185,6 +192,14 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.dropout >= 0.0f && c.dropout < 1.0f, "config", "--dropout {} not in [0, 1)", c.dropout);
   DT_CHECK(c.val_fraction > 0.0 && c.val_fraction < 1.0, "config", "--val-fraction {} not in (0, 1)",
            c.val_fraction);
+  DT_CHECK(c.dp >= 1 && c.dp <= 256, "config", "--dp {} out of range [1, 256]", c.dp);
+  DT_CHECK(c.accumulate >= 1, "config", "--accumulate must be at least 1, got {}", c.accumulate);
+  DT_CHECK(c.zero >= 0 && c.zero <= 2, "config", "--zero {}: expected 0, 1 or 2", c.zero);
+  DT_CHECK(c.bucket_mb > 0.0, "config", "--bucket-mb must be positive, got {}", c.bucket_mb);
+  DT_CHECK(c.batch_size % (c.dp * c.accumulate) == 0, "config",
+           "--batch-size {} is not divisible by --dp {} x --accumulate {} = {}: every rank and micro-step must get "
+           "the same number of samples",
+           c.batch_size, c.dp, c.accumulate, c.dp * c.accumulate);
   if (gpt) {
     DT_CHECK(c.layers > 0 && c.width > 0 && c.seq_len > 0 && c.heads > 0, "config",
              "--layers {}, --width {}, --seq-len {}, --heads {} must be positive", c.layers, c.width, c.seq_len,

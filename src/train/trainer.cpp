@@ -2,17 +2,24 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
 #include "dtrain/core/error.h"
+#include "dtrain/comm/group.h"
 #include "dtrain/core/log.h"
+#include "dtrain/parallel/ddp.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/model_io.h"
 
 namespace dtrain::train {
+
+using Clock = std::chrono::steady_clock;
 
 std::shared_ptr<nn::Model> build_model(const TrainConfig& cfg) {
   if (cfg.model == "mlp") {
@@ -98,12 +105,99 @@ double evaluate(nn::Model& model, const data::Dataset& eval, int64_t batch_size,
   return count > 0 ? total / static_cast<double>(count) : 0.0;
 }
 
+namespace {
+
+double seconds_since(Clock::time_point t0, Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); }
+
+// Chrome / Perfetto trace events ("X" complete events), microseconds since the run started.
+class Trace {
+ public:
+  Trace(bool on, int rank, Clock::time_point origin) : on_(on), rank_(rank), origin_(origin) {}
+  void span(const std::string& name, int tid, Clock::time_point start, Clock::time_point end,
+            nlohmann::json args = nullptr) {
+    if (!on_) return;
+    nlohmann::json e{{"name", name},
+                     {"ph", "X"},
+                     {"pid", rank_},
+                     {"tid", tid},
+                     {"ts", seconds_since(origin_, start) * 1e6},
+                     {"dur", std::max(0.0, seconds_since(start, end) * 1e6)}};
+    if (!args.is_null()) e["args"] = std::move(args);
+    events_.push_back(std::move(e));
+  }
+  nlohmann::json& events() { return events_; }
+
+ private:
+  bool on_;
+  int rank_;
+  Clock::time_point origin_;
+  nlohmann::json events_ = nlohmann::json::array();
+};
+
+std::string rank_file(const std::string& path, int rank) { return fmt::format("{}.rank{}", path, rank); }
+
+// Every rank writes its events; rank 0 merges them into `path` (one process per rank row).
+void write_trace(Trace& trace, const std::string& path, comm::Group* group, int rank, int world) {
+  auto metadata = [](int r, int tid, const std::string& name) {
+    return nlohmann::json{{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid}, {"args", {{"name", name}}}};
+  };
+  nlohmann::json& ev = trace.events();
+  ev.push_back(nlohmann::json{{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
+  ev.push_back(metadata(rank, 0, "compute"));
+  ev.push_back(metadata(rank, 1, "communication"));
+  if (world == 1 || group == nullptr) {
+    std::ofstream(path) << nlohmann::json{{"traceEvents", ev}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+    return;
+  }
+  std::ofstream(rank_file(path, rank)) << ev.dump() << "\n";
+  group->barrier();
+  if (rank != 0) return;
+  nlohmann::json all = nlohmann::json::array();
+  for (int r = 0; r < world; ++r) {
+    std::ifstream in(rank_file(path, r));
+    nlohmann::json part = nlohmann::json::parse(in, nullptr, false);
+    DT_CHECK(part.is_array(), "train", "trace part {} is unreadable", rank_file(path, r));
+    for (auto& e : part) all.push_back(std::move(e));
+    std::remove(rank_file(path, r).c_str());
+  }
+  std::ofstream(path) << nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+}
+
+}  // namespace
+
 TrainResult run_training(const TrainConfig& cfg) {
   set_num_threads(cfg.threads);
+  const auto origin = Clock::now();
+  // Data parallel: join the world the launcher started.
+  std::unique_ptr<comm::Group> group;
+  int rank = 0, world = 1;
+  if (cfg.dp > 1) {
+    group = std::make_unique<comm::Group>(comm::Group::from_env());
+    rank = group->rank();
+    world = group->size();
+    DT_CHECK(world == cfg.dp, "train", "--dp {} but the launcher started {} ranks (WORLD_SIZE)", cfg.dp, world);
+  }
+  const bool lead = rank == 0;
   DataSource src = build_data(cfg);
   auto model = build_model(cfg);
-  auto optimizer = build_optimizer(cfg, model->parameters());
+  std::unique_ptr<parallel::DataParallel> ddp;
+  if (group) {
+    parallel::DdpOptions o;
+    o.bucket_bytes = static_cast<size_t>(cfg.bucket_mb * 1024 * 1024);
+    o.zero = cfg.zero;
+    o.overlap = cfg.overlap;
+    o.record_events = true;
+    ddp = std::make_unique<parallel::DataParallel>(model->named_parameters(), *group, o);
+    ddp->broadcast_parameters();
+  } else {
+    DT_CHECK(cfg.zero == 0, "train", "--zero {} needs data parallelism (--dp 2 or more)", cfg.zero);
+  }
+  auto optimizer = build_optimizer(cfg, ddp ? ddp->optimizer_params() : model->parameters());
   const int64_t batch = cfg.batch_size;
+  const int64_t micro = batch / (world * cfg.accumulate);
+  // Every rank walks the same shuffled order; step s uses samples [s*B, (s+1)*B) of it, and
+  // rank r's micro-step m takes the slice (m * world + r) of that global batch: the union is
+  // the single-process batch, so the averaged gradient is the same.
   data::ShardedSampler sampler(src.train->size(), 0, 1, cfg.seed, /*shuffle=*/true);
   const int64_t steps_per_epoch = sampler.per_rank() / batch;
   DT_CHECK(steps_per_epoch > 0, "train", "--batch-size {} is larger than the training set ({} samples)", batch,
@@ -114,13 +208,19 @@ TrainResult run_training(const TrainConfig& cfg) {
 
   const bool text = src.tokens_per_sample > 0;
   const char* unit = text ? "tok" : "samples";
-  DT_LOG_INFO("training {} ({} parameters) on {} ({} samples), {} steps of batch {}, {} per epoch", cfg.model,
-              model->num_parameters(), cfg.data, src.train->size(), total_steps, batch, steps_per_epoch);
-  MetricsWriter metrics = cfg.metrics.empty() ? MetricsWriter() : MetricsWriter(cfg.metrics);
-  Progress progress(total_steps, cfg.log_every, cfg.progress);
+  if (lead) {
+    DT_LOG_INFO("training {} ({} parameters) on {} ({} samples), {} steps of batch {}, {} per epoch{}", cfg.model,
+                model->num_parameters(), cfg.data, src.train->size(), total_steps, batch, steps_per_epoch,
+                world > 1 ? fmt::format(", {} data-parallel ranks x {} per micro-step, {} buckets{}", world, micro,
+                                        ddp->num_buckets(), cfg.zero ? fmt::format(", ZeRO-{}", cfg.zero) : "")
+                          : std::string());
+  }
+  MetricsWriter metrics = cfg.metrics.empty() || !lead ? MetricsWriter() : MetricsWriter(cfg.metrics);
+  Progress progress(total_steps, cfg.log_every, cfg.progress && lead);
+  Trace trace(!cfg.trace.empty(), rank, origin);
 
   TrainResult result;
-  double train_time = 0.0;
+  double train_time = 0.0, compute_time = 0.0, comm_time = 0.0, wait_time = 0.0;
   double interval_loss = 0.0;
   int64_t interval_steps = 0;
   std::vector<int64_t> epoch_indices;
@@ -132,26 +232,62 @@ TrainResult run_training(const TrainConfig& cfg) {
       epoch_indices = sampler.indices(epoch);
     }
     const int64_t pos = (step % steps_per_epoch) * batch;
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<int64_t> idx(epoch_indices.begin() + pos, epoch_indices.begin() + pos + batch);
-    data::Batch b = src.train->get(idx);
+    const auto t0 = Clock::now();
     optimizer->set_lr(sched.at(step));
-    Tensor loss = model->loss(model->forward(b.x), b.y);
-    loss.backward();
-    if (cfg.clip_grad > 0.0f) optim::clip_grad_norm(optimizer->params(), cfg.clip_grad);
+    float step_loss = 0.0f;
+    for (int64_t m = 0; m < cfg.accumulate; ++m) {
+      const auto tm = Clock::now();
+      const int64_t at = pos + (m * world + rank) * micro;
+      std::vector<int64_t> idx(epoch_indices.begin() + at, epoch_indices.begin() + at + micro);
+      data::Batch b = src.train->get(idx);
+      if (ddp) ddp->set_sync(m == cfg.accumulate - 1);
+      Tensor loss = model->loss(model->forward(b.x), b.y);
+      const auto tf = Clock::now();
+      step_loss += loss.item() / static_cast<float>(cfg.accumulate);
+      if (cfg.accumulate > 1) loss = loss * (1.0f / static_cast<float>(cfg.accumulate));
+      loss.backward();
+      const auto tb = Clock::now();
+      trace.span("forward", 0, tm, tf, {{"step", step + 1}, {"micro", m}});
+      trace.span("backward", 0, tf, tb, {{"step", step + 1}, {"micro", m}});
+      compute_time += seconds_since(tm, tb);
+    }
+    const auto ts = Clock::now();
+    if (ddp) {
+      ddp->synchronize();
+      for (const auto& ev : ddp->take_bucket_events()) {
+        trace.span(fmt::format("bucket {}", ev.bucket), 1, ev.start, ev.end, {{"bytes", ev.bytes}});
+        comm_time += seconds_since(ev.start, ev.end);
+      }
+    }
+    const auto to = Clock::now();
+    wait_time += seconds_since(ts, to);
+    if (cfg.clip_grad > 0.0f) {
+      if (ddp) {
+        ddp->clip_grad_norm(cfg.clip_grad);
+      } else {
+        optim::clip_grad_norm(optimizer->params(), cfg.clip_grad);
+      }
+    }
     optimizer->step();
+    if (ddp) {
+      ddp->gather_parameters();
+      ddp->zero_grad();
+    }
     optimizer->zero_grad();
-    train_time += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const float l = loss.item();
-    DT_CHECK(std::isfinite(l), "train", "loss is {} at step {} (lr {}): training diverged", l, step + 1,
+    const auto t1 = Clock::now();
+    if (ddp) trace.span("synchronize", 0, ts, to, {{"step", step + 1}});
+    trace.span("optimizer", 0, to, t1, {{"step", step + 1}});
+    train_time += seconds_since(t0, t1);
+    DT_CHECK(std::isfinite(step_loss), "train", "loss is {} at step {} (lr {}): training diverged", step_loss, step + 1,
              optimizer->lr());
-    interval_loss += l;
+    interval_loss += step_loss;
     ++interval_steps;
     const double samples = static_cast<double>((step + 1) * batch);
     const double rate = text ? samples * static_cast<double>(src.tokens_per_sample) / train_time : samples / train_time;
-    progress.update(step + 1, epoch + 1, l, optimizer->lr(), rate, unit);
     if ((step + 1) % cfg.log_every == 0 || step + 1 == total_steps) {
-      result.final_loss = interval_loss / static_cast<double>(interval_steps);
+      double mean = interval_loss / static_cast<double>(interval_steps);
+      if (group) group->all_reduce(&mean, &mean, 1, comm::DataType::f64, comm::ReduceOp::avg);
+      result.final_loss = mean;
       metrics.write({{"event", "log"},
                      {"step", step + 1},
                      {"epoch", epoch + 1},
@@ -161,6 +297,7 @@ TrainResult run_training(const TrainConfig& cfg) {
       interval_loss = 0.0;
       interval_steps = 0;
     }
+    progress.update(step + 1, epoch + 1, step_loss, optimizer->lr(), rate, unit);
   }
   progress.finish();
 
@@ -171,26 +308,55 @@ TrainResult run_training(const TrainConfig& cfg) {
   result.tokens_per_s = result.samples_per_s * static_cast<double>(src.tokens_per_sample);
   result.model_flops_per_s =
       3.0 * model->flops_per_sample() * (text ? result.tokens_per_s : result.samples_per_s);
-  if (text) {
-    result.val_loss = evaluate(*model, *src.eval, batch, cfg.eval_batches);
-  } else {
-    result.test_accuracy = evaluate(*model, *src.eval, 1000, 0);
-  }
-  result.peak_rss = peak_rss_bytes();
+  if (!cfg.trace.empty()) write_trace(trace, cfg.trace, group.get(), rank, world);
   result.params_digest = params_digest(model->named_parameters());
-
+  result.peak_rss = peak_rss_bytes();
   nlohmann::json final_record{{"event", "final"},
                               {"model", cfg.model},
                               {"steps", result.steps},
                               {"epochs", result.epochs_started},
                               {"batch_size", batch},
+                              {"world", world},
+                              {"accumulate", cfg.accumulate},
                               {"train_loss", result.final_loss},
                               {"train_time_s", result.train_time_s},
                               {"samples_per_s", result.samples_per_s},
                               {"model_flops_per_s", result.model_flops_per_s},
-                              {"peak_rss_bytes", result.peak_rss},
                               {"params", model->num_parameters()},
                               {"params_digest", result.params_digest}};
+  if (ddp) {
+    // Digests of every rank: identical parameters everywhere is the contract.
+    std::vector<std::string> digests(static_cast<size_t>(world));
+    std::vector<char> mine(64, 0), all(64 * static_cast<size_t>(world));
+    std::memcpy(mine.data(), result.params_digest.data(), std::min<size_t>(64, result.params_digest.size()));
+    group->all_gather(mine.data(), all.data(), 64, comm::DataType::u8);
+    for (int r = 0; r < world; ++r) {
+      const std::string d(all.data() + 64 * r, 64);
+      DT_CHECK(d == std::string(mine.data(), 64), "train", "rank {} ended with parameters {} but rank {} with {}", r,
+               d, rank, result.params_digest);
+    }
+    const parallel::MemoryReport mem = ddp->memory(*optimizer);
+    final_record["param_bytes_per_rank"] = mem.param_bytes;
+    final_record["grad_bytes_per_rank"] = mem.grad_bytes;
+    final_record["optimizer_bytes_per_rank"] = mem.optimizer_bytes;
+    final_record["zero"] = cfg.zero;
+    final_record["buckets"] = ddp->num_buckets();
+    final_record["compute_s"] = compute_time;
+    final_record["comm_s"] = comm_time;
+    final_record["sync_wait_s"] = wait_time;
+    // overlap = (T_compute + T_comm - T_step) / T_comm, with T_step the compute plus the wait
+    // for the buckets (the optimizer is excluded from both sides).
+    final_record["overlap"] = comm_time > 0 ? (compute_time + comm_time - (compute_time + wait_time)) / comm_time : 0.0;
+  }
+  if (lead) {
+    if (text) {
+      result.val_loss = evaluate(*model, *src.eval, batch, cfg.eval_batches);
+    } else {
+      result.test_accuracy = evaluate(*model, *src.eval, 1000, 0);
+    }
+  }
+  result.peak_rss = peak_rss_bytes();
+  final_record["peak_rss_bytes"] = result.peak_rss;
   if (text) {
     final_record["tokens_per_s"] = result.tokens_per_s;
     final_record["val_loss"] = result.val_loss;
@@ -198,7 +364,7 @@ TrainResult run_training(const TrainConfig& cfg) {
     final_record["test_accuracy"] = result.test_accuracy;
   }
   metrics.write(final_record);
-  if (!cfg.save.empty()) save_model(cfg.save, ModelFile{model_metadata(cfg), model->named_parameters()});
+  if (!cfg.save.empty() && lead) save_model(cfg.save, ModelFile{model_metadata(cfg), model->named_parameters()});
   return result;
 }
 

@@ -597,15 +597,7 @@ int run_bench_collectives(const CollBenchOptions& o, const std::vector<std::stri
   if (std::getenv("RANK") != nullptr) return worker(o);
   DT_CHECK(o.nranks >= 1 && o.nranks <= 256, "bench", "-n {}: expected 1..256 ranks", o.nranks);
   // Not started by a launcher: launch -n copies of this very command.
-  char self[4096] = {};
-  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  DT_CHECK(len > 0, "bench", "cannot find this program's path (/proc/self/exe)");
-  launch::LaunchOptions lo;
-  lo.nproc_per_node = o.nranks;
-  lo.prefix_output = false;
-  lo.command.push_back(std::string(self, static_cast<size_t>(len)));
-  lo.command.insert(lo.command.end(), argv.begin() + 1, argv.end());
-  return tools::run_launch(lo);
+  return launch_self(o.nranks, argv, false);
 }
 
 }  // namespace dtrain::tools

@@ -1,8 +1,12 @@
 #include "commands.h"
 
 #include <chrono>
-#include <cstdio>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+
+#include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/random.h"
@@ -11,9 +15,13 @@
 
 namespace dtrain::tools {
 
-int run_train(train::TrainConfig& cfg) {
+int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   train::finalize(cfg);
+  // Not started by a launcher: start --dp copies of this very command.
+  if (cfg.dp > 1 && std::getenv("RANK") == nullptr) return launch_self(cfg.dp, argv, true);
+  const bool lead = std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
   const train::TrainResult r = train::run_training(cfg);
+  if (!lead) return 0;
   if (r.test_accuracy >= 0) {
     std::printf("final: steps %ld  train loss %.4f  test accuracy %.4f  %.1f samples/s  peak RSS %.1f MiB\n",
                 static_cast<long>(r.steps), r.final_loss, r.test_accuracy, r.samples_per_s,
@@ -40,6 +48,18 @@ int run_diff(const DiffOptions& opts) {
   std::printf("overall: max_abs %.6e  max_rel %.6e  tol %.1e  %s\n", d.max_abs, d.max_rel, opts.tol,
               ok ? "WITHIN" : "EXCEEDS");
   return ok ? 0 : 1;
+}
+
+int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output) {
+  char self[4096] = {};
+  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  DT_CHECK(len > 0, "launch", "cannot find this program's path (/proc/self/exe)");
+  launch::LaunchOptions lo;
+  lo.nproc_per_node = n;
+  lo.prefix_output = prefix_output;
+  lo.command.push_back(std::string(self, static_cast<size_t>(len)));
+  lo.command.insert(lo.command.end(), argv.begin() + 1, argv.end());
+  return tools::run_launch(lo);
 }
 
 int run_launch(const launch::LaunchOptions& opts) {

@@ -41,10 +41,13 @@ struct CollBenchOptions {
   std::string json;
 };
 
-int run_train(train::TrainConfig& cfg);
+/// `argv` is the whole command line: with --dp N > 1 it is relaunched on N local workers.
+int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv);
 int run_diff(const DiffOptions& opts);
 int run_bench_gemm(const BenchOptions& opts);
 int run_launch(const launch::LaunchOptions& opts);
+/// Runs `argv` (this tool's command line) on `n` local workers under dtrain launch.
+int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output);
 /// `argv` is the tool's whole command line (relaunched as is under dtrain launch).
 int run_bench_collectives(const CollBenchOptions& opts, const std::vector<std::string>& argv);
 

@@ -15,7 +15,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "dtrain 0.1.0");
 
   dtrain::train::TrainConfig train_cfg;
-  CLI::App* train = app.add_subcommand("train", "train a model (one process)");
+  CLI::App* train = app.add_subcommand("train", "train a model (one process, or --dp N data-parallel processes)");
   dtrain::train::add_train_options(*train, train_cfg);
 
   dtrain::tools::DiffOptions diff_opts;
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   try {
     if (train->parsed()) {
       dtrain::train::apply_config_file(*train, train_cfg);
-      return dtrain::tools::run_train(train_cfg);
+      return dtrain::tools::run_train(train_cfg, std::vector<std::string>(argv, argv + argc));
     }
     if (diff->parsed()) return dtrain::tools::run_diff(diff_opts);
     if (launch->parsed()) return dtrain::tools::run_launch(launch_opts);

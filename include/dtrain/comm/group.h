@@ -48,6 +48,9 @@ class Work {
   bool test();
   /// Waits up to `timeout` (the group's default when zero); throws CommError on timeout or failure.
   void wait(Duration timeout = Duration::zero());
+  /// When the operation finished (for traces); the epoch of Clock while it has not.
+  Clock::time_point finish_time() const;
+  bool valid() const { return state_ != nullptr; }
   struct State;
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
 

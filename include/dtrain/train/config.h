@@ -37,6 +37,13 @@ struct TrainConfig {
   int64_t warmup = 0;
   float min_lr = 0.0f;
   float clip_grad = 0.0f;  // 0 = off
+  // parallelism
+  int dp = 1;                 // data-parallel ranks (local processes started by dtrain launch)
+  int64_t accumulate = 1;     // micro-steps per optimizer step (no gradient sync before the last)
+  int zero = 0;               // ZeRO stage: 0, 1 (optimizer state sharded), 2 (also gradients)
+  double bucket_mb = 25.0;    // gradient bucket size, MiB
+  bool overlap = true;        // start bucket all_reduces during backward
+  std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
   // run
   uint64_t seed = 0;
   int threads = 1;

@@ -1,0 +1,111 @@
+// Data parallelism: every rank holds the whole model, runs forward and backward on its shard
+// of the global batch, and the gradients are averaged across ranks before an identical
+// optimizer step, so every rank keeps identical parameters.
+//
+// How a step goes (the trainer, or your own loop):
+//   DataParallel dp(model->named_parameters(), group, options);
+//   dp.broadcast_parameters();                 // once: rank 0's values everywhere, verified
+//   for each step:
+//     for each micro-batch m < K:
+//       dp.set_sync(m == K - 1);               // accumulate locally until the last one
+//       loss(model(x_m)) / K .backward();      // the last backward launches bucket all_reduces
+//     dp.synchronize();                        // waits; gradients now averaged over ranks
+//     optimizer.step(); [dp.gather_parameters() with ZeRO]; zero the gradients
+//
+// Buckets: the parameters in reverse order of registration (about the order backward produces
+// their gradients), packed into buckets of about `bucket_bytes`. An autograd grad-ready hook
+// copies each gradient into its bucket; a bucket whose gradients are all final starts its
+// asynchronous all_reduce (avg) at once, so communication overlaps the rest of backward.
+// Buckets always start in the same order on every rank. A parameter that got no gradient in
+// a step contributes zeros. Averaged gradients are views into the bucket buffers (no copy
+// back).
+//
+// ZeRO (options.zero): each bucket is split into world() equal pieces and rank r owns piece r
+// of every bucket. Gradients are reduce-scattered (each rank receives its pieces, averaged);
+// the optimizer is built over shard_params() (1-D views of the owned pieces of the
+// parameters) so its state is 1/world() of the unsharded one; gather_parameters() all-gathers
+// the updated pieces. zero=1 keeps full-size gradient buffers, zero=2 keeps only the pieces.
+// The parameters themselves are moved into the bucket buffers (their tensors stay valid).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/group.h"
+#include "dtrain/nn/module.h"
+#include "dtrain/optim/optim.h"
+
+namespace dtrain::parallel {
+
+struct DdpOptions {
+  size_t bucket_bytes = size_t{25} << 20;
+  int zero = 0;         // 0: replicate everything; 1: shard optimizer state; 2: also gradients
+  bool overlap = true;  // false: start every bucket in synchronize() (for measuring overlap)
+  bool record_events = false;  // keep BucketEvents for take_bucket_events() (traces)
+};
+
+/// Bytes this rank holds for the model's training state.
+struct MemoryReport {
+  int64_t param_bytes = 0;
+  int64_t grad_bytes = 0;       // persistent gradient buffers (buckets or ZeRO pieces)
+  int64_t optimizer_bytes = 0;  // the optimizer's state tensors
+};
+
+/// One bucket's communication in one step, for traces.
+struct BucketEvent {
+  int bucket = 0;
+  size_t bytes = 0;
+  comm::Clock::time_point start, end;
+};
+
+class DataParallel {
+ public:
+  DataParallel(std::vector<nn::NamedTensor> params, comm::Group group, DdpOptions options = {});
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  int rank() const;
+  int world() const;
+  size_t num_buckets() const;
+
+  /// Collective, once before training: checks that every rank has the same parameter names and
+  /// shapes (naming the first rank that differs), copies rank 0's values to all ranks and
+  /// verifies that every rank then holds the same bytes.
+  void broadcast_parameters();
+
+  /// Whether the next backward passes synchronise gradients (default true). Off: gradients
+  /// accumulate locally and nothing is communicated (gradient accumulation / no_sync).
+  void set_sync(bool on);
+
+  /// Collective, after the synchronising backward: starts the buckets not started yet (params
+  /// without a gradient contribute zeros), waits for all of them, and leaves the averaged
+  /// gradients in the parameters' grads (ZeRO: in shard_params()' grads). Throws a clear error
+  /// when ranks ran a different number of backward passes.
+  void synchronize();
+
+  /// Global L2 norm of the synchronised gradients; scales them to `max_norm` when larger
+  /// (max_norm <= 0: only measures). Collective under ZeRO.
+  float clip_grad_norm(float max_norm);
+
+  /// ZeRO: the tensors the optimizer owns on this rank. Without ZeRO: the model's parameters.
+  std::vector<Tensor> optimizer_params() const;
+  /// ZeRO, collective, after the optimizer step: every rank gets every updated piece.
+  void gather_parameters();
+  /// Drops the synchronised gradients (model and shards).
+  void zero_grad();
+
+  MemoryReport memory(const optim::Optimizer& optimizer) const;
+  /// Bucket communications since the last call (completed ones only).
+  std::vector<BucketEvent> take_bucket_events();
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,371 @@
+// DataParallel: buckets, grad-ready hooks, overlapped all_reduce / reduce_scatter, ZeRO pieces.
+#include "dtrain/parallel/ddp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "dtrain/core/error.h"
+#include "dtrain/tensor/autograd.h"
+
+namespace dtrain::parallel {
+
+using comm::DataType;
+using comm::ReduceOp;
+
+namespace {
+
+// A 1-D or shaped f32 view into `storage` at element `offset` (not part of any graph).
+Tensor view_of(const std::shared_ptr<Storage>& storage, size_t offset, const Shape& shape) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = storage;
+  impl->offset = static_cast<int64_t>(offset);
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = DType::f32;
+  return Tensor(impl);
+}
+
+std::shared_ptr<Storage> zeroed_storage(size_t count) {
+  auto s = std::make_shared<Storage>(std::max<size_t>(1, count) * sizeof(float));
+  std::memset(s->data, 0, s->nbytes);
+  return s;
+}
+
+uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934665603ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+struct DataParallel::Impl {
+  struct Bucket {
+    std::vector<size_t> params;   // indices into Impl::params
+    std::vector<size_t> offsets;  // element offset of each in the bucket
+    size_t count = 0;             // elements used
+    size_t padded = 0;            // count rounded up to a multiple of the world size (ZeRO)
+    size_t pending = 0;           // gradients not final yet in this step
+    bool launched = false;
+    std::shared_ptr<Storage> grad;    // gradients, in place reduced (ZeRO 2: only during a step)
+    std::shared_ptr<Storage> values;  // ZeRO: the parameters' home
+    std::shared_ptr<Storage> piece_grad;  // ZeRO: this rank's averaged piece
+    Tensor piece;                     // ZeRO: view of this rank's piece of `values`
+    comm::Work work;
+    comm::Clock::time_point started;
+  };
+
+  std::vector<nn::NamedTensor> params;
+  comm::Group group;
+  DdpOptions options;
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<size_t, size_t>> where;  // param index -> (bucket, offset)
+  std::vector<bool> ready;
+  size_t ready_count = 0;
+  size_t next_launch = 0;
+  bool sync = true;
+  int64_t step = 0;
+  std::vector<BucketEvent> events;
+
+  size_t piece_of(const Bucket& b) const { return b.padded / static_cast<size_t>(group.size()); }
+
+  float* grad_data(Bucket& b) {
+    if (!b.grad) {  // ZeRO 2 frees it after each step
+      b.grad = zeroed_storage(b.padded);
+    }
+    return static_cast<float*>(b.grad->data);
+  }
+
+  void on_grad_ready(size_t index, Tensor& param) {
+    if (!sync) return;
+    auto [bi, offset] = where[index];
+    Bucket& b = buckets[bi];
+    DT_CHECK(!ready[index] && !b.launched, "ddp",
+             "parameter '{}' received a second gradient in step {} before synchronize(): backward ran more than "
+             "once with gradient sync on (accumulate with set_sync(false) / --accumulate)",
+             params[index].first, step + 1);
+    const Tensor g = param.grad();
+    DT_CHECK(g.defined() && g.is_contiguous() && g.dtype() == DType::f32, "ddp",
+             "parameter '{}': gradient hook fired without a contiguous f32 gradient", params[index].first);
+    std::memcpy(grad_data(b) + offset, g.data(), static_cast<size_t>(g.numel()) * sizeof(float));
+    ready[index] = true;
+    ++ready_count;
+    if (--b.pending == 0 && options.overlap) launch_in_order();
+  }
+
+  // Starts every bucket whose gradients are final, in bucket order (the same on every rank).
+  void launch_in_order() {
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) launch(next_launch++);
+  }
+
+  void launch(size_t bi) {
+    Bucket& b = buckets[bi];
+    float* g = grad_data(b);
+    b.launched = true;
+    b.started = comm::Clock::now();
+    if (options.zero == 0) {
+      b.work = group.all_reduce_async(g, g, b.count, DataType::f32, ReduceOp::avg);
+    } else {
+      b.work = group.reduce_scatter_async(g, b.piece_grad->data, piece_of(b), DataType::f32, ReduceOp::avg);
+    }
+  }
+};
+
+DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group group, DdpOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  Impl& d = *impl_;
+  DT_CHECK(group.size() >= 1, "ddp", "DataParallel needs a group");
+  DT_CHECK(options.zero >= 0 && options.zero <= 2, "ddp", "zero stage {} is not 0, 1 or 2", options.zero);
+  DT_CHECK(options.bucket_bytes >= sizeof(float), "ddp", "bucket size {} bytes is too small", options.bucket_bytes);
+  d.params = std::move(params);
+  d.group = std::move(group);
+  d.options = options;
+  const size_t world = static_cast<size_t>(d.group.size());
+  for (const auto& [name, t] : d.params) {
+    DT_CHECK(t.dtype() == DType::f32 && t.is_contiguous(), "ddp", "parameter '{}' must be contiguous f32, is {}", name,
+             t.str());
+  }
+  // Buckets in reverse registration order, about bucket_bytes each.
+  d.where.resize(d.params.size());
+  Impl::Bucket cur;
+  auto close = [&] {
+    if (cur.params.empty()) return;
+    cur.padded = (cur.count + world - 1) / world * world;
+    cur.pending = cur.params.size();
+    d.buckets.push_back(std::move(cur));
+    cur = Impl::Bucket();
+  };
+  for (size_t k = d.params.size(); k-- > 0;) {
+    const size_t n = static_cast<size_t>(d.params[k].second.numel());
+    if (!cur.params.empty() && (cur.count + n) * sizeof(float) > options.bucket_bytes) close();
+    d.where[k] = {d.buckets.size(), cur.count};
+    cur.params.push_back(k);
+    cur.offsets.push_back(cur.count);
+    cur.count += n;
+  }
+  close();
+  for (auto& b : d.buckets) {
+    b.grad = zeroed_storage(b.padded);
+    if (options.zero > 0) {
+      // The parameters move into the bucket's buffer; their tensors keep working.
+      b.values = zeroed_storage(b.padded);
+      for (size_t i = 0; i < b.params.size(); ++i) {
+        Tensor& t = d.params[b.params[i]].second;
+        float* dst = static_cast<float*>(b.values->data) + b.offsets[i];
+        std::memcpy(dst, t.data(), static_cast<size_t>(t.numel()) * sizeof(float));
+        TensorImpl* impl = t.impl();
+        impl->storage = b.values;
+        impl->offset = static_cast<int64_t>(b.offsets[i]);
+        impl->strides = contiguous_strides(impl->shape);
+      }
+      const size_t piece = d.piece_of(b);
+      b.piece = view_of(b.values, static_cast<size_t>(d.group.rank()) * piece, {static_cast<int64_t>(piece)});
+      b.piece.set_requires_grad(true);
+      b.piece_grad = zeroed_storage(piece);
+      if (options.zero == 2) b.grad.reset();
+    }
+  }
+  d.ready.assign(d.params.size(), false);
+  // Hooks hold the state weakly: a model that outlives its DataParallel stops syncing.
+  std::weak_ptr<Impl> weak = impl_;
+  for (size_t k = 0; k < d.params.size(); ++k) {
+    d.params[k].second.register_grad_ready_hook([weak, k](Tensor& p) {
+      if (auto s = weak.lock()) s->on_grad_ready(k, p);
+    });
+  }
+}
+
+DataParallel::~DataParallel() {
+  // Buckets in flight reference our buffers: let them finish (or fail) before freeing them.
+  for (auto& b : impl_->buckets) {
+    if (b.launched && b.work.valid()) {
+      try {
+        b.work.wait();
+      } catch (...) {
+      }
+    }
+  }
+}
+
+int DataParallel::rank() const { return impl_->group.rank(); }
+int DataParallel::world() const { return impl_->group.size(); }
+size_t DataParallel::num_buckets() const { return impl_->buckets.size(); }
+
+void DataParallel::broadcast_parameters() {
+  Impl& d = *impl_;
+  const int world = d.group.size();
+  // Same model everywhere? Compare (tensors, elements, hash of names and shapes).
+  uint64_t shape_hash = fnv1a("", 0);
+  int64_t elements = 0;
+  for (const auto& [name, t] : d.params) {
+    shape_hash = fnv1a(name.data(), name.size(), shape_hash);
+    for (int64_t s : t.shape()) shape_hash = fnv1a(&s, sizeof(s), shape_hash);
+    elements += t.numel();
+  }
+  std::vector<int64_t> mine = {static_cast<int64_t>(d.params.size()), elements, static_cast<int64_t>(shape_hash)};
+  std::vector<int64_t> all(3 * static_cast<size_t>(world));
+  d.group.all_gather(mine.data(), all.data(), 3, DataType::i64);
+  for (int r = 1; r < world; ++r) {
+    const int64_t* o = &all[3 * static_cast<size_t>(r)];
+    DT_CHECK(o[0] == all[0] && o[1] == all[1] && o[2] == all[2], "ddp",
+             "rank {}'s model differs from rank 0's: {} parameters in {} tensors vs {} in {} (or different names or "
+             "shapes); every rank must build the same model (same --model, --hidden, --layers, --width ...)",
+             r, o[1], o[0], all[1], all[0]);
+  }
+  for (auto& [name, t] : d.params) d.group.broadcast(t.data(), static_cast<size_t>(t.numel()), DataType::f32, 0);
+  uint64_t h = fnv1a("", 0);
+  for (const auto& [name, t] : d.params) h = fnv1a(t.data(), static_cast<size_t>(t.numel()) * sizeof(float), h);
+  std::vector<uint64_t> hashes(static_cast<size_t>(world));
+  d.group.all_gather(&h, hashes.data(), 1, DataType::i64);
+  for (int r = 1; r < world; ++r) {
+    DT_CHECK(hashes[static_cast<size_t>(r)] == hashes[0], "ddp",
+             "after the broadcast rank {}'s parameters differ from rank 0's (digest {:016x} vs {:016x})", r,
+             hashes[static_cast<size_t>(r)], hashes[0]);
+  }
+}
+
+void DataParallel::set_sync(bool on) { impl_->sync = on; }
+
+void DataParallel::synchronize() {
+  Impl& d = *impl_;
+  const int world = d.group.size();
+  // Parameters without a gradient in this step contribute zeros; then every bucket starts,
+  // in order.
+  for (size_t bi = 0; bi < d.buckets.size(); ++bi) {
+    Impl::Bucket& b = d.buckets[bi];
+    if (b.launched || b.pending == 0) continue;
+    float* g = d.grad_data(b);
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const size_t k = b.params[i];
+      if (d.ready[k]) continue;
+      std::memset(g + b.offsets[i], 0, static_cast<size_t>(d.params[k].second.numel()) * sizeof(float));
+    }
+    b.pending = 0;
+  }
+  d.launch_in_order();
+  // Did every rank run its backward? (A rank without one would silently average in zeros.)
+  int64_t mine = static_cast<int64_t>(d.ready_count);
+  std::vector<int64_t> counts(static_cast<size_t>(world));
+  d.group.all_gather(&mine, counts.data(), 1, DataType::i64);
+  std::vector<BucketEvent> done;
+  for (size_t bi = 0; bi < d.buckets.size(); ++bi) {
+    Impl::Bucket& b = d.buckets[bi];
+    b.work.wait();
+    if (d.options.record_events) d.events.push_back({static_cast<int>(bi), b.count * sizeof(float), b.started, b.work.finish_time()});
+  }
+  const bool none = std::any_of(counts.begin(), counts.end(), [](int64_t c) { return c == 0; });
+  const bool some = std::any_of(counts.begin(), counts.end(), [](int64_t c) { return c > 0; });
+  if (none && some) {
+    std::string who;
+    for (int r = 0; r < world; ++r) {
+      who += fmt::format("{}rank {}: {}", r ? ", " : "", r, counts[static_cast<size_t>(r)] > 0 ? "backward" : "none");
+    }
+    DT_THROW("ddp",
+             "step {}: ranks ran different numbers of backward passes before synchronize() ({}); every rank must "
+             "run the same number of backward passes per step",
+             d.step + 1, who);
+  }
+  // Hand the averaged gradients over as views of the buffers.
+  for (Impl::Bucket& b : d.buckets) {
+    if (d.options.zero == 0) {
+      for (size_t i = 0; i < b.params.size(); ++i) {
+        Tensor& t = d.params[b.params[i]].second;
+        t.set_grad(view_of(b.grad, b.offsets[i], t.shape()));
+      }
+    } else {
+      b.piece.set_grad(view_of(b.piece_grad, 0, b.piece.shape()));
+      for (size_t i = 0; i < b.params.size(); ++i) d.params[b.params[i]].second.zero_grad();
+      if (d.options.zero == 2) b.grad.reset();
+    }
+    b.launched = false;
+    b.pending = b.params.size();
+    b.work = comm::Work();
+  }
+  std::fill(d.ready.begin(), d.ready.end(), false);
+  d.ready_count = 0;
+  d.next_launch = 0;
+  ++d.step;
+}
+
+float DataParallel::clip_grad_norm(float max_norm) {
+  Impl& d = *impl_;
+  if (d.options.zero == 0) {
+    std::vector<Tensor> ps;
+    for (auto& [name, t] : d.params) ps.push_back(t);
+    return max_norm > 0 ? optim::clip_grad_norm(ps, max_norm) : optim::clip_grad_norm(ps, 1e30f);
+  }
+  double sq = 0.0;
+  for (Impl::Bucket& b : d.buckets) {
+    const float* g = static_cast<const float*>(b.piece_grad->data);
+    for (size_t i = 0, n = d.piece_of(b); i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
+  }
+  d.group.all_reduce(&sq, &sq, 1, DataType::f64, ReduceOp::sum);
+  const float norm = static_cast<float>(std::sqrt(sq));
+  if (max_norm > 0 && norm > max_norm) {
+    const float scale = max_norm / (norm + 1e-6f);
+    for (Impl::Bucket& b : d.buckets) {
+      float* g = static_cast<float*>(b.piece_grad->data);
+      for (size_t i = 0, n = d.piece_of(b); i < n; ++i) g[i] *= scale;
+    }
+  }
+  return norm;
+}
+
+std::vector<Tensor> DataParallel::optimizer_params() const {
+  std::vector<Tensor> out;
+  if (impl_->options.zero == 0) {
+    for (auto& [name, t] : impl_->params) out.push_back(t);
+  } else {
+    for (auto& b : impl_->buckets) out.push_back(b.piece);
+  }
+  return out;
+}
+
+void DataParallel::gather_parameters() {
+  Impl& d = *impl_;
+  if (d.options.zero == 0) return;
+  std::vector<comm::Work> works;
+  for (Impl::Bucket& b : d.buckets) {
+    const size_t piece = d.piece_of(b);
+    float* v = static_cast<float*>(b.values->data);
+    works.push_back(d.group.all_gather_async(v + static_cast<size_t>(d.group.rank()) * piece, v, piece, DataType::f32));
+  }
+  for (auto& w : works) w.wait();
+}
+
+void DataParallel::zero_grad() {
+  for (auto& [name, t] : impl_->params) t.zero_grad();
+  for (auto& b : impl_->buckets) {
+    if (b.piece.defined()) b.piece.zero_grad();
+  }
+}
+
+MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
+  MemoryReport m;
+  for (const auto& [name, t] : impl_->params) m.param_bytes += t.numel() * 4;
+  for (const auto& b : impl_->buckets) {
+    if (impl_->options.zero == 2) {
+      m.grad_bytes += static_cast<int64_t>(impl_->piece_of(b) * sizeof(float));
+    } else {
+      m.grad_bytes += static_cast<int64_t>(b.padded * sizeof(float));
+      if (impl_->options.zero == 1) m.grad_bytes += static_cast<int64_t>(impl_->piece_of(b) * sizeof(float));
+    }
+  }
+  for (const auto& [name, t] : optimizer.state()) m.optimizer_bytes += t.numel() * static_cast<int64_t>(dtype_size(t.dtype()));
+  return m;
+}
+
+std::vector<BucketEvent> DataParallel::take_bucket_events() {
+  std::vector<BucketEvent> out;
+  out.swap(impl_->events);
+  return out;
+}
+
+}  // namespace dtrain::parallel
