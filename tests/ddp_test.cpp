@@ -1,0 +1,313 @@
+// DataParallel with ranks as threads over the real shm transport: identical parameters on
+// every rank after every step, the same math as one process (bitwise against the same
+// micro-batches, within float tolerance against the unsplit batch), ZeRO-1/2 equal to plain
+// DDP with 1/world of the optimizer state, parameters without gradients, and misuse errors.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dtrain/comm/group.h"
+#include "dtrain/nn/models.h"
+#include "dtrain/optim/optim.h"
+#include "dtrain/parallel/ddp.h"
+#include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/random.h"
+
+namespace dtrain::parallel {
+namespace {
+
+constexpr int64_t kIn = 24, kClasses = 5, kBatch = 24;  // 24: divisible by 1, 2, 3, 4 ranks x 2 micro-steps
+
+void run_ranks(int size, const std::function<void(comm::Group&)>& fn) {
+  auto store = comm::make_memory_store();
+  static std::atomic<int> job{0};
+  const std::string name = "ddp" + std::to_string(job++);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        comm::GroupOptions o;
+        o.timeout = std::chrono::seconds(30);
+        comm::Group g = comm::Group::create(store, r, size, o, name);
+        fn(g);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+// A fixed data set: step s uses rows [s*kBatch, (s+1)*kBatch).
+struct Data {
+  std::vector<float> x, y;
+  explicit Data(int steps) {
+    Generator gen(7);
+    Tensor t = Tensor::randn({steps * kBatch, kIn}, gen);
+    x = t.to_vector();
+    for (int64_t i = 0; i < steps * kBatch; ++i) y.push_back(static_cast<float>((i * 7) % kClasses));
+  }
+  // Rows [begin, begin + n).
+  std::pair<Tensor, Tensor> rows(int64_t begin, int64_t n) const {
+    std::vector<float> xs(x.begin() + begin * kIn, x.begin() + (begin + n) * kIn);
+    std::vector<float> ys(y.begin() + begin, y.begin() + begin + n);
+    return {Tensor::from_vector({n, kIn}, xs), Tensor::from_vector({n}, ys)};
+  }
+};
+
+std::shared_ptr<nn::Mlp> make_model(uint64_t seed = 3) { return std::make_shared<nn::Mlp>(kIn, std::vector<int64_t>{32, 16}, kClasses, seed); }
+
+std::vector<float> flat(const nn::Model& m) {
+  std::vector<float> out;
+  for (const auto& [name, t] : m.named_parameters()) {
+    auto v = t.to_vector();
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+struct RunOptions {
+  int world = 1;
+  int accumulate = 1;
+  int zero = 0;
+  bool adam = true;
+  size_t bucket_bytes = 1024;  // several buckets for this small model
+  int steps = 6;
+  // Filled in: final parameters of every rank, and per-step parameters of every rank.
+  std::vector<std::vector<float>> final_params;
+  std::vector<std::vector<std::vector<float>>> per_step;  // [step][rank]
+  std::vector<int64_t> optimizer_bytes;
+};
+
+std::unique_ptr<optim::Optimizer> make_opt(bool adam, std::vector<Tensor> params) {
+  if (adam) return std::make_unique<optim::AdamW>(std::move(params), 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f);
+  return std::make_unique<optim::Sgd>(std::move(params), 0.1f, 0.9f);
+}
+
+// The trainer's loop: rank r's micro-step m takes slice (m * world + r) of each global batch.
+void train(RunOptions& o) {
+  const Data data(o.steps);
+  o.final_params.assign(static_cast<size_t>(o.world), {});
+  o.per_step.assign(static_cast<size_t>(o.steps), std::vector<std::vector<float>>(static_cast<size_t>(o.world)));
+  o.optimizer_bytes.assign(static_cast<size_t>(o.world), 0);
+  const int64_t micro = kBatch / (o.world * o.accumulate);
+  if (o.world == 1 && o.zero == 0) {
+    auto model = make_model();
+    auto opt = make_opt(o.adam, model->parameters());
+    for (int s = 0; s < o.steps; ++s) {
+      for (int m = 0; m < o.accumulate; ++m) {
+        auto [x, y] = data.rows(s * kBatch + m * micro, micro);
+        Tensor loss = model->loss(model->forward(x), y) * (1.0f / static_cast<float>(o.accumulate));
+        loss.backward();
+      }
+      opt->step();
+      opt->zero_grad();
+      o.per_step[static_cast<size_t>(s)][0] = flat(*model);
+    }
+    o.final_params[0] = flat(*model);
+    return;
+  }
+  run_ranks(o.world, [&](comm::Group& g) {
+    const int r = g.rank();
+    // Ranks other than 0 start elsewhere: the broadcast must give them rank 0's values.
+    auto model = make_model(r == 0 ? 3 : 100 + static_cast<uint64_t>(r));
+    DdpOptions d;
+    d.bucket_bytes = o.bucket_bytes;
+    d.zero = o.zero;
+    DataParallel dp(model->named_parameters(), g, d);
+    dp.broadcast_parameters();
+    auto opt = make_opt(o.adam, dp.optimizer_params());
+    for (int s = 0; s < o.steps; ++s) {
+      for (int m = 0; m < o.accumulate; ++m) {
+        auto [x, y] = data.rows(s * kBatch + (m * o.world + r) * micro, micro);
+        dp.set_sync(m == o.accumulate - 1);
+        Tensor loss = model->loss(model->forward(x), y) * (1.0f / static_cast<float>(o.accumulate));
+        loss.backward();
+      }
+      dp.synchronize();
+      opt->step();
+      dp.gather_parameters();
+      dp.zero_grad();
+      opt->zero_grad();
+      o.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)] = flat(*model);
+    }
+    o.final_params[static_cast<size_t>(r)] = flat(*model);
+    o.optimizer_bytes[static_cast<size_t>(r)] = dp.memory(*opt).optimizer_bytes;
+  });
+}
+
+double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, mag = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::fabs(a[i] - b[i])));
+    mag = std::max(mag, static_cast<double>(std::fabs(a[i])));
+  }
+  return diff / mag;
+}
+
+TEST(DataParallel, EveryRankHoldsIdenticalParametersAfterEveryStep) {
+  for (int world : {2, 3, 4}) {
+    RunOptions o;
+    o.world = world;
+    train(o);
+    for (int s = 0; s < o.steps; ++s) {
+      for (int r = 1; r < world; ++r) {
+        ASSERT_EQ(o.per_step[static_cast<size_t>(s)][0], o.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)])
+            << "world " << world << ", step " << s + 1 << ": rank " << r << " differs from rank 0";
+      }
+    }
+  }
+}
+
+TEST(DataParallel, EqualsOneProcessWithTheSameMicroBatchesBitwise) {
+  // One process accumulating world micro-batches does exactly DDP's arithmetic when the world
+  // is 2 (averaging two halves is exact); the order of a longer sum differs for 3 and 4.
+  RunOptions single;
+  single.accumulate = 2;
+  train(single);
+  RunOptions dp;
+  dp.world = 2;
+  train(dp);
+  EXPECT_EQ(single.final_params[0], dp.final_params[0]);
+}
+
+TEST(DataParallel, MatchesOneProcessOnTheWholeBatchWithinFloatTolerance) {
+  RunOptions single;
+  single.adam = false;
+  train(single);
+  for (int world : {2, 3, 4}) {
+    RunOptions dp;
+    dp.adam = false;
+    dp.world = world;
+    train(dp);
+    EXPECT_LT(max_rel(single.final_params[0], dp.final_params[0]), 1e-5) << "world " << world;
+  }
+  // 2 ranks x 2 micro-steps against 4 ranks x 1.
+  RunOptions a, b;
+  a.adam = b.adam = false;
+  a.world = 2;
+  a.accumulate = 2;
+  b.world = 4;
+  train(a);
+  train(b);
+  EXPECT_LT(max_rel(a.final_params[0], b.final_params[0]), 1e-5);
+}
+
+TEST(DataParallel, ZeroOneAndTwoEqualPlainDdpWithAQuarterOfTheOptimizerState) {
+  RunOptions plain;
+  plain.world = 4;
+  train(plain);
+  for (int zero : {1, 2}) {
+    RunOptions z;
+    z.world = 4;
+    z.zero = zero;
+    train(z);
+    EXPECT_EQ(plain.final_params[0], z.final_params[0]) << "zero " << zero;
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_LE(static_cast<double>(z.optimizer_bytes[static_cast<size_t>(r)]),
+                static_cast<double>(plain.optimizer_bytes[0]) / 4 * 1.05)
+          << "zero " << zero << " rank " << r;
+    }
+  }
+}
+
+TEST(DataParallel, AParameterWithoutGradientOnOneRankCountsAsZero) {
+  // Rank 1 never uses the second head: its gradient there is zero, averaged with rank 0's.
+  run_ranks(2, [](comm::Group& g) {
+    Generator gen(1);
+    Tensor a = Tensor::randn({4}, gen).set_requires_grad(true);
+    Tensor b = Tensor::randn({4}, gen).set_requires_grad(true);
+    DdpOptions o;
+    o.bucket_bytes = 16;  // one bucket each
+    DataParallel dp({{"a", a}, {"b", b}}, g, o);
+    dp.broadcast_parameters();
+    Tensor loss = ops::sum(a * 2.0f);
+    if (g.rank() == 0) loss = loss + ops::sum(b * 4.0f);
+    loss.backward();
+    dp.synchronize();
+    for (float v : a.grad().to_vector()) EXPECT_EQ(v, 2.0f);
+    for (float v : b.grad().to_vector()) EXPECT_EQ(v, 2.0f);  // (4 + 0) / 2
+  });
+}
+
+TEST(DataParallel, MisuseGetsClearErrors) {
+  // Backward twice with sync on.
+  EXPECT_THROW(
+      {
+        try {
+          run_ranks(1, [](comm::Group& g) {
+            auto model = make_model();
+            DataParallel dp(model->named_parameters(), g, {});
+            Data data(1);
+            for (int k = 0; k < 2; ++k) {
+              auto [x, y] = data.rows(0, 4);
+              model->loss(model->forward(x), y).backward();
+            }
+          });
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("backward ran more than once"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  // A rank that skipped backward.
+  std::mutex mu;
+  std::vector<std::string> messages;
+  try {
+    run_ranks(2, [&](comm::Group& g) {
+      auto model = make_model();
+      DataParallel dp(model->named_parameters(), g, {});
+      dp.broadcast_parameters();
+      Data data(1);
+      if (g.rank() == 0) {
+        auto [x, y] = data.rows(0, 4);
+        model->loss(model->forward(x), y).backward();
+      }
+      try {
+        dp.synchronize();
+      } catch (const Error& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        messages.push_back(e.what());
+        throw;
+      }
+    });
+  } catch (const Error&) {
+  }
+  ASSERT_EQ(messages.size(), 2u);
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("rank 0: backward, rank 1: none"), std::string::npos) << m;
+  }
+  // Different models on different ranks.
+  messages.clear();
+  try {
+    run_ranks(2, [&](comm::Group& g) {
+      auto model = std::make_shared<nn::Mlp>(kIn, std::vector<int64_t>{g.rank() == 0 ? 32 : 33}, kClasses, 1);
+      DataParallel dp(model->named_parameters(), g, {});
+      try {
+        dp.broadcast_parameters();
+      } catch (const Error& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        messages.push_back(e.what());
+        throw;
+      }
+    });
+  } catch (const Error&) {
+  }
+  ASSERT_EQ(messages.size(), 2u);
+  for (const auto& m : messages) EXPECT_NE(m.find("rank 1's model differs from rank 0's"), std::string::npos) << m;
+}
+
+}  // namespace
+}  // namespace dtrain::parallel
