@@ -110,38 +110,54 @@ namespace {
 double seconds_since(Clock::time_point t0, Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); }
 
 // Chrome / Perfetto trace events ("X" complete events), microseconds since the run started.
+// Kept as plain records (a run has millions of them) and turned into JSON once at the end.
 class Trace {
  public:
   Trace(bool on, int rank, Clock::time_point origin) : on_(on), rank_(rank), origin_(origin) {}
-  void span(const std::string& name, int tid, Clock::time_point start, Clock::time_point end,
-            nlohmann::json args = nullptr) {
+  void span(const char* name, int index, int tid, Clock::time_point start, Clock::time_point end, int64_t step,
+            int64_t bytes = -1) {
     if (!on_) return;
-    nlohmann::json e{{"name", name},
-                     {"ph", "X"},
-                     {"pid", rank_},
-                     {"tid", tid},
-                     {"ts", seconds_since(origin_, start) * 1e6},
-                     {"dur", std::max(0.0, seconds_since(start, end) * 1e6)}};
-    if (!args.is_null()) e["args"] = std::move(args);
-    events_.push_back(std::move(e));
+    spans_.push_back({name, index, tid, seconds_since(origin_, start) * 1e6,
+                      std::max(0.0, seconds_since(start, end) * 1e6), step, bytes});
   }
-  nlohmann::json& events() { return events_; }
+  nlohmann::json events() const {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Span& s : spans_) {
+      nlohmann::json e{{"name", s.index >= 0 ? fmt::format("{} {}", s.name, s.index) : std::string(s.name)},
+                       {"ph", "X"},
+                       {"pid", rank_},
+                       {"tid", s.tid},
+                       {"ts", s.ts},
+                       {"dur", s.dur},
+                       {"args", {{"step", s.step}}}};
+      if (s.bytes >= 0) e["args"]["bytes"] = s.bytes;
+      out.push_back(std::move(e));
+    }
+    return out;
+  }
 
  private:
+  struct Span {
+    const char* name;
+    int index;  // micro-step or bucket, -1: none
+    int tid;
+    double ts, dur;
+    int64_t step, bytes;
+  };
   bool on_;
   int rank_;
   Clock::time_point origin_;
-  nlohmann::json events_ = nlohmann::json::array();
+  std::vector<Span> spans_;
 };
 
 std::string rank_file(const std::string& path, int rank) { return fmt::format("{}.rank{}", path, rank); }
 
 // Every rank writes its events; rank 0 merges them into `path` (one process per rank row).
-void write_trace(Trace& trace, const std::string& path, comm::Group* group, int rank, int world) {
+void write_trace(const Trace& trace, const std::string& path, comm::Group* group, int rank, int world) {
   auto metadata = [](int r, int tid, const std::string& name) {
     return nlohmann::json{{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid}, {"args", {{"name", name}}}};
   };
-  nlohmann::json& ev = trace.events();
+  nlohmann::json ev = trace.events();
   ev.push_back(nlohmann::json{{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
   ev.push_back(metadata(rank, 0, "compute"));
   ev.push_back(metadata(rank, 1, "communication"));
@@ -247,15 +263,15 @@ TrainResult run_training(const TrainConfig& cfg) {
       if (cfg.accumulate > 1) loss = loss * (1.0f / static_cast<float>(cfg.accumulate));
       loss.backward();
       const auto tb = Clock::now();
-      trace.span("forward", 0, tm, tf, {{"step", step + 1}, {"micro", m}});
-      trace.span("backward", 0, tf, tb, {{"step", step + 1}, {"micro", m}});
+      trace.span("forward", cfg.accumulate > 1 ? static_cast<int>(m) : -1, 0, tm, tf, step + 1);
+      trace.span("backward", cfg.accumulate > 1 ? static_cast<int>(m) : -1, 0, tf, tb, step + 1);
       compute_time += seconds_since(tm, tb);
     }
     const auto ts = Clock::now();
     if (ddp) {
       ddp->synchronize();
       for (const auto& ev : ddp->take_bucket_events()) {
-        trace.span(fmt::format("bucket {}", ev.bucket), 1, ev.start, ev.end, {{"bytes", ev.bytes}});
+        trace.span("bucket", ev.bucket, 1, ev.start, ev.end, step + 1, static_cast<int64_t>(ev.bytes));
         comm_time += seconds_since(ev.start, ev.end);
       }
     }
@@ -275,8 +291,8 @@ TrainResult run_training(const TrainConfig& cfg) {
     }
     optimizer->zero_grad();
     const auto t1 = Clock::now();
-    if (ddp) trace.span("synchronize", 0, ts, to, {{"step", step + 1}});
-    trace.span("optimizer", 0, to, t1, {{"step", step + 1}});
+    if (ddp) trace.span("synchronize", -1, 0, ts, to, step + 1);
+    trace.span("optimizer", -1, 0, to, t1, step + 1);
     train_time += seconds_since(t0, t1);
     DT_CHECK(std::isfinite(step_loss), "train", "loss is {} at step {} (lr {}): training diverged", step_loss, step + 1,
              optimizer->lr());
@@ -297,9 +313,9 @@ TrainResult run_training(const TrainConfig& cfg) {
       interval_loss = 0.0;
       interval_steps = 0;
     }
-    progress.update(step + 1, epoch + 1, step_loss, optimizer->lr(), rate, unit);
+    if (lead) progress.update(step + 1, epoch + 1, step_loss, optimizer->lr(), rate, unit);
   }
-  progress.finish();
+  if (lead) progress.finish();
 
   result.steps = total_steps;
   result.epochs_started = epoch + 1;
