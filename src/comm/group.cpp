@@ -258,42 +258,75 @@ struct Group::Impl {
     return Work(state);
   }
 
-  void execute_task(const std::shared_ptr<Work::State>& state_ptr, const std::string& op,
-                    const std::function<bool(uint64_t, Deadline)>& body) {
-    Work::State& state = *state_ptr;
-    const uint64_t seq = state.seq;
+  // Runs body(seq, deadline) with the group's failure rules: a broken group fails at once; a
+  // failure breaks the group and aborts the transport so the peers fail too. Returns the
+  // error (null on success); *left_in_flight tells whether a p2p body left its request posted.
+  template <typename Body>
+  std::exception_ptr guarded(const char* op, uint64_t seq, Body&& body, bool* left_in_flight = nullptr) {
     if (broken) {
       try {
         std::rethrow_exception(broken);
       } catch (const std::exception& e) {
-        state.finish(std::make_exception_ptr(
-            CommError(op, seq, {}, fmt::format("group '{}' is broken by an earlier failure: {}", name, e.what()),
-                      __FILE__, __LINE__)));
+        return std::make_exception_ptr(CommError(
+            op, seq, {}, fmt::format("group '{}' is broken by an earlier failure: {}", name, e.what()), __FILE__,
+            __LINE__));
       }
-      return;
     }
     try {
-      if (body(seq, deadline_after(options.timeout))) {
-        state.finish(nullptr);
-      } else {
-        Inflight f = std::move(*pending_post);
-        pending_post.reset();
-        f.state = state_ptr;
-        inflight.push_back(std::move(f));
-      }
+      const bool finished = body(seq, deadline_after(options.timeout));
+      if (left_in_flight != nullptr) *left_in_flight = !finished;
+      return nullptr;
     } catch (const TransportError& e) {
       auto err = std::make_exception_ptr(CommError(op, seq, e.peers(), e.message(), __FILE__, __LINE__));
       broken = err;
       if (e.kind() != TransportError::Kind::aborted) {
         abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.message()));
       }
-      state.finish(err);
+      return err;
     } catch (const std::exception& e) {
       auto err = std::make_exception_ptr(CommError(op, seq, {}, e.what(), __FILE__, __LINE__));
       broken = err;
       abort(fmt::format("rank {} failed in {} #{}: {}", rank, op, seq, e.what()));
-      state.finish(err);
+      return err;
     }
+  }
+
+  void execute_task(const std::shared_ptr<Work::State>& state_ptr, const std::string& op,
+                    const std::function<bool(uint64_t, Deadline)>& body) {
+    bool in_flight = false;
+    std::exception_ptr err = guarded(op.c_str(), state_ptr->seq, body, &in_flight);
+    if (err || !in_flight) {
+      state_ptr->finish(err);
+      return;
+    }
+    Inflight f = std::move(*pending_post);
+    pending_post.reset();
+    f.state = state_ptr;
+    inflight.push_back(std::move(f));
+  }
+
+  // The latency path of blocking collectives: when nothing is queued or running, run `body`
+  // right here without a Work, a queue entry or an allocation. False: not idle, queue it.
+  template <typename Body>
+  bool run_inline(const char* op, Body&& body) {
+    uint64_t seq = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!queue.empty() || busy) return false;
+      busy = true;
+      seq = collective_seq++;
+    }
+    std::exception_ptr err = guarded(op, seq, [&](uint64_t, Deadline deadline) {
+      body(deadline);
+      return true;
+    });
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      busy = false;
+    }
+    cv.notify_all();
+    if (err) std::rethrow_exception(err);
+    return true;
   }
 
   // The transport's native collectives when the algorithm is auto or direct and it has them.
@@ -549,7 +582,13 @@ Work Group::recv_async(void* buffer, size_t count, DataType dtype, int peer, uin
 }
 
 void Group::all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
-  all_reduce_impl(impl("all_reduce"), send, recv, count, dtype, op, true).wait();
+  Impl& g = impl("all_reduce");
+  if (DirectCollectives* d = g.direct_for(g.options.algorithm)) {
+    if (g.run_inline("all_reduce", [&](Deadline deadline) { d->all_reduce(send, recv, count, dtype, op, deadline); })) {
+      return;
+    }
+  }
+  all_reduce_impl(g, send, recv, count, dtype, op, true).wait();
 }
 
 void Group::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) {
@@ -618,8 +657,9 @@ void Group::all_to_all(const void* send, void* recv, size_t count, DataType dtyp
 
 void Group::barrier() {
   Impl& g = impl("barrier");
-  if (g.direct_for(g.options.algorithm) != nullptr) {
-    g.run_direct("barrier", true, [](DirectCollectives& d, Deadline deadline) { d.barrier(deadline); }).wait();
+  if (DirectCollectives* d = g.direct_for(g.options.algorithm)) {
+    if (g.run_inline("barrier", [&](Deadline deadline) { d->barrier(deadline); })) return;
+    g.run_direct("barrier", true, [](DirectCollectives& dc, Deadline deadline) { dc.barrier(deadline); }).wait();
     return;
   }
   g.run_plan("barrier", plan_barrier(rank(), size()), nullptr, nullptr, DataType::u8, ReduceOp::sum, true).wait();

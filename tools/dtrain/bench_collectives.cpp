@@ -542,6 +542,8 @@ int worker(const CollBenchOptions& o) {
 
   uint64_t total_wrong = 0;
   const double wall0 = now_s();
+  rusage ru0{};
+  ::getrusage(RUSAGE_SELF, &ru0);
   for (size_t oi = 0; oi < ops.size(); ++oi) {
     const Op op = ops[oi];
     const bool blocks = op == Op::allgather || op == Op::reducescatter || op == Op::alltoall;
@@ -566,12 +568,12 @@ int worker(const CollBenchOptions& o) {
       }
     }
   }
-  // CPU time of the whole run, all ranks together: with more ranks than cores a livelock (ranks
-  // spinning instead of sleeping) shows as CPU time far above wall time x cores.
+  // CPU time of the sweeps, all ranks together: ranks that spin instead of sleeping while they
+  // wait show as CPU time near wall time x cores even when they have nothing to do.
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
-  double cpu[2] = {static_cast<double>(ru.ru_utime.tv_sec) + ru.ru_utime.tv_usec * 1e-6,
-                   static_cast<double>(ru.ru_stime.tv_sec) + ru.ru_stime.tv_usec * 1e-6};
+  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  double cpu[2] = {secs(ru.ru_utime) - secs(ru0.ru_utime), secs(ru.ru_stime) - secs(ru0.ru_stime)};
   world.all_reduce(cpu, cpu, 2, DataType::f64, ReduceOp::sum);
   const double wall = now_s() - wall0;
   doc["wall_s"] = wall;
