@@ -174,3 +174,18 @@ TEST(Group, AsyncSendThenBlockingRecvAroundARingDoesNotDeadlock) {
     });
   }
 }
+
+// Vectors past the streaming-store threshold of the direct path (16 MiB), odd length.
+TEST(Group, LargeAllReduceThroughStreamingCopiesIsExact) {
+  const size_t n = (size_t{20} << 20) / sizeof(float) + 3;
+  for (int p : {2, 3}) {
+    run_ranks(p, [&](Group& g) {
+      std::vector<float> x(n);
+      for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>((g.rank() + 1) * static_cast<int>(i % 9));
+      std::vector<float> out(n, -1.0f);
+      g.all_reduce(x.data(), out.data(), n, DataType::f32, ReduceOp::sum);
+      const int tri = p * (p + 1) / 2;
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], static_cast<float>(tri * static_cast<int>(i % 9))) << i;
+    });
+  }
+}

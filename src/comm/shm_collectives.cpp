@@ -48,6 +48,7 @@ namespace {
 
 constexpr size_t kSmallBytes = size_t{16} << 10;
 constexpr size_t kAlignBytes = 64;
+constexpr size_t kStreamingBytes = size_t{16} << 20;  // results this large bypass the cache
 constexpr int kSpinIterations = 4000;
 constexpr int kYieldAfter = 200;
 constexpr int kYieldEvery = 8;
@@ -88,6 +89,31 @@ std::pair<size_t, size_t> slice(size_t m, int r, int p, size_t esize) {
   const size_t align = std::max<size_t>(1, kAlignBytes / esize);
   auto cut = [&](int k) { return k >= p ? m : std::min(m, m * static_cast<size_t>(k) / static_cast<size_t>(p) / align * align); };
   return {cut(r), cut(r + 1)};
+}
+
+// Copy for results that will not be read again soon: streaming (non-temporal) stores skip the
+// read-for-ownership of the destination and do not evict the staging slots from the cache.
+void copy_streaming(char* dst, const char* src, size_t bytes) {
+#if defined(__AVX2__)
+  const size_t head = std::min(bytes, static_cast<size_t>(-reinterpret_cast<uintptr_t>(dst) & 31));
+  std::memcpy(dst, src, head);
+  dst += head, src += head, bytes -= head;
+  size_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, bytes);
+#endif
 }
 
 }  // namespace
@@ -264,7 +290,14 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     for (int k = 0; k < size_; ++k) {
       const int q = (rank_ + k) % size_;
       const auto [qlo, qhi] = slice(m, q, size_, esize);
-      if (qhi > qlo) std::memcpy(out + (off + qlo) * esize, stage(q) + qlo * esize, (qhi - qlo) * esize);
+      if (qhi <= qlo) continue;
+      char* dst = out + (off + qlo) * esize;
+      const char* src = stage(q) + qlo * esize;
+      if (count * esize >= kStreamingBytes) {
+        copy_streaming(dst, src, (qhi - qlo) * esize);
+      } else {
+        std::memcpy(dst, src, (qhi - qlo) * esize);
+      }
     }
   }
 }
