@@ -67,7 +67,9 @@ struct Data {
   }
 };
 
-std::shared_ptr<nn::Mlp> make_model(uint64_t seed = 3) { return std::make_shared<nn::Mlp>(kIn, std::vector<int64_t>{32, 16}, kClasses, seed); }
+std::shared_ptr<nn::Mlp> make_model(uint64_t seed = 3, std::vector<int64_t> hidden = {32, 16}) {
+  return std::make_shared<nn::Mlp>(kIn, hidden, kClasses, seed);
+}
 
 std::vector<float> flat(const nn::Model& m) {
   std::vector<float> out;
@@ -84,6 +86,7 @@ struct RunOptions {
   int zero = 0;
   bool adam = true;
   size_t bucket_bytes = 1024;  // several buckets for this small model
+  std::vector<int64_t> hidden = {32, 16};
   int steps = 6;
   // Filled in: final parameters of every rank, and per-step parameters of every rank.
   std::vector<std::vector<float>> final_params;
@@ -104,7 +107,7 @@ void train(RunOptions& o) {
   o.optimizer_bytes.assign(static_cast<size_t>(o.world), 0);
   const int64_t micro = kBatch / (o.world * o.accumulate);
   if (o.world == 1 && o.zero == 0) {
-    auto model = make_model();
+    auto model = make_model(3, o.hidden);
     auto opt = make_opt(o.adam, model->parameters());
     for (int s = 0; s < o.steps; ++s) {
       for (int m = 0; m < o.accumulate; ++m) {
@@ -122,7 +125,7 @@ void train(RunOptions& o) {
   run_ranks(o.world, [&](comm::Group& g) {
     const int r = g.rank();
     // Ranks other than 0 start elsewhere: the broadcast must give them rank 0's values.
-    auto model = make_model(r == 0 ? 3 : 100 + static_cast<uint64_t>(r));
+    auto model = make_model(r == 0 ? 3 : 100 + static_cast<uint64_t>(r), o.hidden);
     DdpOptions d;
     d.bucket_bytes = o.bucket_bytes;
     d.zero = o.zero;
@@ -172,15 +175,23 @@ TEST(DataParallel, EveryRankHoldsIdenticalParametersAfterEveryStep) {
 }
 
 TEST(DataParallel, EqualsOneProcessWithTheSameMicroBatchesBitwise) {
-  // One process accumulating world micro-batches does exactly DDP's arithmetic when the world
-  // is 2 (averaging two halves is exact); the order of a longer sum differs for 3 and 4.
-  RunOptions single;
-  single.accumulate = 2;
-  train(single);
-  RunOptions dp;
-  dp.world = 2;
-  train(dp);
-  EXPECT_EQ(single.final_params[0], dp.final_params[0]);
+  // One process accumulating `world` micro-batches (loss scaled by 1/world, exact for powers of
+  // two) does DDP's arithmetic exactly: the collectives sum in rank order. Small buckets take
+  // the direct all_reduce's small-message path, one large bucket its reduce-scatter path.
+  for (int world : {2, 4}) {
+    for (size_t bucket : {size_t{1024}, size_t{1} << 20}) {
+      RunOptions single;
+      single.accumulate = world;
+      single.hidden = {256, 64};
+      train(single);
+      RunOptions dp;
+      dp.world = world;
+      dp.hidden = {256, 64};
+      dp.bucket_bytes = bucket;
+      train(dp);
+      EXPECT_EQ(single.final_params[0], dp.final_params[0]) << "world " << world << ", bucket " << bucket;
+    }
+  }
 }
 
 TEST(DataParallel, MatchesOneProcessOnTheWholeBatchWithinFloatTolerance) {

@@ -8,8 +8,10 @@
 //
 //   all_reduce, small chunk (<= kSmallBytes): copy in | sync | every rank reduces all slots
 //     in rank order into its output (same bits everywhere).
-//   all_reduce, large chunk: copy in | sync | rank r reduces slice r of every slot into slice
-//     r of its own slot | sync | every rank copies slice q out of rank q's slot.
+//   all_reduce, large chunk: copy in | sync | rank r reduces slice r of every slot, in rank
+//     order, into its output and publishes it in its own slot | sync | every rank copies the
+//     other slices out of their owners' slots. Both paths sum in rank order, so the result
+//     equals one process accumulating the ranks' vectors in order, bit for bit.
 //   broadcast: root copies in | sync | the others copy out.
 //   all_gather: copy own block in | sync | copy every block out.
 //   reduce_scatter: copy in | sync | reduce own block of every slot into the output.
@@ -280,14 +282,18 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
       finish_avg(dst, m, dtype, op, size_);
       continue;
     }
+    // Slice `rank_` of every slot, reduced in rank order (the same order as the small path and
+    // as one process accumulating micro-batches), into the output, then published in our slot.
     const auto [lo, hi] = slice(m, rank_, size_, esize);
     if (hi > lo) {
-      char* mine = stage(rank_) + lo * esize;
-      for (int k = 1; k < size_; ++k) reduce_into(mine, stage((rank_ + k) % size_) + lo * esize, hi - lo, dtype, op);
-      finish_avg(mine, hi - lo, dtype, op, size_);
+      char* acc = out + (off + lo) * esize;
+      reduce_pair(acc, stage(0) + lo * esize, stage(1) + lo * esize, hi - lo, dtype, op);
+      for (int q = 2; q < size_; ++q) reduce_into(acc, stage(q) + lo * esize, hi - lo, dtype, op);
+      finish_avg(acc, hi - lo, dtype, op, size_);
+      std::memcpy(stage(rank_) + lo * esize, acc, (hi - lo) * esize);
     }
     sync(deadline);
-    for (int k = 0; k < size_; ++k) {
+    for (int k = 1; k < size_; ++k) {  // our own slice is in the output already
       const int q = (rank_ + k) % size_;
       const auto [qlo, qhi] = slice(m, q, size_, esize);
       if (qhi <= qlo) continue;
