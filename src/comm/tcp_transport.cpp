@@ -51,7 +51,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -60,45 +59,27 @@
 #include "dtrain/comm/transport.h"
 #include "net.h"
 #include "tcp_wire.h"
+#include "transport_requests.h"
 
 namespace dtrain::comm {
 
 namespace {
 
 using FrameKind = tcp_wire::FrameKind;
+using transport_requests::all_complete;
+using transport_requests::deliver_to_self;
+using transport_requests::describe;
+using transport_requests::pending_of;
+using transport_requests::throw_timeout;
+using transport_requests::UseGuard;
 constexpr size_t kHeaderBytes = tcp_wire::kHeaderBytes;
 constexpr int kMaxIov = 64;  // iovecs per sendmsg: up to 32 queued messages in one system call
-constexpr size_t kMaxListedInMessage = 8;
 constexpr int kMaxPollMs = 60'000;
 
-struct Request {
-  RequestId id = 0;
-  bool is_send = false;
-  int peer = -1;
-  uint64_t tag = 0;
-  char* data = nullptr;
-  size_t bytes = 0;
-  size_t done = 0;         // payload bytes moved
-  size_t header_done = 0;  // send: header bytes written; recv: kHeaderBytes once matched
-  bool complete = false;
+struct Request : transport_requests::RequestBase {
+  size_t header_done = 0;             // send: header bytes written; recv: kHeaderBytes once matched
   uint8_t header[kHeaderBytes] = {};  // send: the encoded header
 };
-
-std::string describe(const Request& r) {
-  return fmt::format("{} rank {} (tag {}, {} of {} bytes)", r.is_send ? "send to" : "recv from", r.peer, r.tag, r.done,
-                     r.bytes);
-}
-
-std::string describe(const std::vector<Request*>& pending) {
-  std::string out;
-  for (size_t i = 0; i < pending.size() && i < kMaxListedInMessage; ++i) {
-    if (i > 0) out += "; ";
-    out += describe(*pending[i]);
-  }
-  if (pending.size() > kMaxListedInMessage) out += fmt::format("; and {} more", pending.size() - kMaxListedInMessage);
-  return out;
-}
-
 // One connection, seen from this rank.
 struct Peer {
   int rank = -1;
@@ -122,22 +103,6 @@ struct Peer {
   bool between_frames() const { return sends.empty() || (sends.front()->header_done == 0 && sends.front()->done == 0); }
 };
 
-// Rejects concurrent post/wait calls on one transport instead of corrupting its queues.
-class UseGuard {
- public:
-  explicit UseGuard(std::atomic<bool>& flag) : flag_(flag) {
-    if (flag_.exchange(true, std::memory_order_acquire)) {
-      DT_THROW("comm", "tcp transport used by two threads at once (post_send/post_recv/wait must be serialized)");
-    }
-  }
-  ~UseGuard() { flag_.store(false, std::memory_order_release); }
-  UseGuard(const UseGuard&) = delete;
-  UseGuard& operator=(const UseGuard&) = delete;
-
- private:
-  std::atomic<bool>& flag_;
-};
-
 int poll_timeout_ms(Deadline deadline) {
   const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return static_cast<int>(std::clamp<int64_t>(left, 0, kMaxPollMs));
@@ -146,7 +111,7 @@ int poll_timeout_ms(Deadline deadline) {
 class TcpTransport final : public Transport {
  public:
   TcpTransport(int rank, int size, std::vector<net::Fd> fds, std::vector<std::string> endpoints)
-      : rank_(rank), size_(size), peers_(static_cast<size_t>(size)) {
+      : rank_(rank), size_(size), peers_(static_cast<size_t>(size)), requests_("tcp", rank, size) {
     for (int p = 0; p < size_; ++p) {
       Peer& peer = peers_[static_cast<size_t>(p)];
       peer.rank = p;
@@ -176,9 +141,9 @@ class TcpTransport final : public Transport {
   const char* kind() const override { return "tcp"; }
 
   RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) override {
-    UseGuard guard(in_use_);
+    UseGuard guard(in_use_, "tcp");
     std::lock_guard<std::mutex> lock(io_mu_);
-    Request& r = add_request(true, peer, tag, const_cast<void*>(data), bytes, "post_send");
+    Request& r = requests_.add("post_send", true, peer, tag, const_cast<void*>(data), bytes);
     tcp_wire::encode_header(r.header, FrameKind::data, tag, bytes);
     if (peer == rank_) {
       self_sends_.push_back(&r);
@@ -192,18 +157,18 @@ class TcpTransport final : public Transport {
   }
 
   RequestId post_recv(int peer, uint64_t tag, void* data, size_t bytes) override {
-    UseGuard guard(in_use_);
+    UseGuard guard(in_use_, "tcp");
     std::lock_guard<std::mutex> lock(io_mu_);
-    Request& r = add_request(false, peer, tag, data, bytes, "post_recv");
+    Request& r = requests_.add("post_recv", false, peer, tag, data, bytes);
     (peer == rank_ ? self_recvs_ : peers_[static_cast<size_t>(peer)].recvs).push_back(&r);
     return r.id;
   }
 
   void wait(const std::vector<RequestId>& ids, Deadline deadline) override {
-    UseGuard guard(in_use_);
+    UseGuard guard(in_use_, "tcp");
     std::unique_lock<std::mutex> lock(io_mu_);
     if (broken_) std::rethrow_exception(broken_);
-    const std::vector<Request*> listed = find(ids);
+    const std::vector<Request*> listed = requests_.find(ids);
     try {
       drive(listed, deadline, lock);
     } catch (const TransportError& e) {
@@ -211,14 +176,14 @@ class TcpTransport final : public Transport {
       if (e.kind() != TransportError::Kind::timeout) broken_ = std::current_exception();
       throw;
     }
-    for (Request* r : listed) requests_.erase(r->id);
+    requests_.reap(listed);
   }
 
   bool test(const std::vector<RequestId>& ids) override {
-    UseGuard guard(in_use_);
+    UseGuard guard(in_use_, "tcp");
     std::unique_lock<std::mutex> lock(io_mu_);
     if (broken_) std::rethrow_exception(broken_);
-    const std::vector<Request*> listed = find(ids);
+    const std::vector<Request*> listed = requests_.find(ids);
     size_t cursor = 0;
     try {
       if (!progress(listed, cursor, 0, true, lock)) return false;
@@ -226,7 +191,7 @@ class TcpTransport final : public Transport {
       broken_ = std::current_exception();
       throw;
     }
-    for (Request* r : listed) requests_.erase(r->id);
+    requests_.reap(listed);
     return true;
   }
 
@@ -236,61 +201,6 @@ class TcpTransport final : public Transport {
   }
 
  private:
-  std::vector<Request*> find(const std::vector<RequestId>& ids) {
-    std::vector<Request*> listed;
-    listed.reserve(ids.size());
-    for (RequestId id : ids) {
-      auto it = requests_.find(id);
-      if (it != requests_.end()) {
-        listed.push_back(&it->second);
-      } else if (id == 0 || id >= next_id_) {
-        DT_THROW("comm", "tcp wait: unknown request id {} (rank {} issued ids 1..{})", id, rank_, next_id_ - 1);
-      }  // else: completed and reaped by an earlier wait
-    }
-    return listed;
-  }
-
-  Request& add_request(bool is_send, int peer, uint64_t tag, void* data, size_t bytes, const char* op) {
-    if (peer < 0 || peer >= size_) {
-      DT_THROW("comm", "tcp {}: peer {} out of range (rank {} of a group of {})", op, peer, rank_, size_);
-    }
-    if (data == nullptr && bytes != 0) {
-      DT_THROW("comm", "tcp {}: null buffer for {} bytes to/from rank {}", op, bytes, peer);
-    }
-    const RequestId id = next_id_++;
-    Request& r = requests_[id];
-    r.id = id;
-    r.is_send = is_send;
-    r.peer = peer;
-    r.tag = tag;
-    r.data = static_cast<char*>(data);
-    r.bytes = bytes;
-    return r;
-  }
-
-  // Requests complete roughly in order: resume the scan where the last one stopped.
-  static bool all_complete(const std::vector<Request*>& listed, size_t& cursor) {
-    while (cursor < listed.size() && listed[cursor]->complete) ++cursor;
-    return cursor == listed.size();
-  }
-
-  static std::vector<Request*> pending_of(const std::vector<Request*>& listed) {
-    std::vector<Request*> pending;
-    for (Request* r : listed) {
-      if (!r->complete) pending.push_back(r);
-    }
-    return pending;
-  }
-
-  static std::vector<int> peers_of(const std::vector<Request*>& pending) {
-    std::vector<int> peers;
-    peers.reserve(pending.size());
-    for (const Request* r : pending) peers.push_back(r->peer);
-    std::sort(peers.begin(), peers.end());
-    peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
-    return peers;
-  }
-
   // The progress loop of wait(). The first round does not sleep, so an abort or hang-up that
   // already arrived fails this wait too.
   void drive(const std::vector<Request*>& listed, Deadline deadline, std::unique_lock<std::mutex>& lock) {
@@ -299,7 +209,7 @@ class TcpTransport final : public Transport {
     for (bool first = true;; first = false) {
       if (progress(listed, cursor, first ? 0 : poll_timeout_ms(deadline), first, lock)) return;
       const auto now = Clock::now();
-      if (now >= deadline) throw_timeout(listed, now - start);
+      if (now >= deadline) throw_timeout("tcp", rank_, listed, now - start);
     }
   }
 
@@ -345,7 +255,7 @@ class TcpTransport final : public Transport {
         if (fds_[i].revents != 0) pump(peers_[static_cast<size_t>(polled_[i - 1])]);
       }
     }
-    if (!self_sends_.empty()) progress_self();
+    if (!self_sends_.empty()) deliver_to_self("tcp", rank_, self_sends_, self_recvs_);
     if (aborted_.load(std::memory_order_acquire)) throw_aborted();
     if (all_complete(listed, cursor)) return true;
     check_peers(listed);
@@ -576,16 +486,6 @@ class TcpTransport final : public Transport {
                          __LINE__);
   }
 
-  [[noreturn]] void throw_timeout(const std::vector<Request*>& listed, Clock::duration waited) {
-    const auto pending = pending_of(listed);
-    std::vector<int> peers = peers_of(pending);
-    throw TransportError(TransportError::Kind::timeout, peers,
-                         fmt::format("tcp: rank {} timed out after {} ms waiting for rank(s) {}: {}", rank_,
-                                     std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
-                                     fmt::join(peers, ", "), describe(pending)),
-                         __FILE__, __LINE__);
-  }
-
   // Throws peer_dead when a listed request can never complete: a send to a peer that hung up
   // (nobody reads it), a receive from a peer whose stream ended.
   void check_peers(const std::vector<Request*>& listed) {
@@ -610,33 +510,12 @@ class TcpTransport final : public Transport {
                          __FILE__, __LINE__);
   }
 
-  // Messages to self: matched in order, copied directly.
-  void progress_self() {
-    while (!self_sends_.empty() && !self_recvs_.empty()) {
-      Request& s = *self_sends_.front();
-      Request& r = *self_recvs_.front();
-      if (s.tag != r.tag || s.bytes != r.bytes) {
-        throw TransportError(TransportError::Kind::protocol, {rank_},
-                             fmt::format("tcp: rank {} sent tag {} ({} bytes) to itself but expected tag {} ({} bytes)",
-                                         rank_, s.tag, s.bytes, r.tag, r.bytes),
-                             __FILE__, __LINE__);
-      }
-      if (s.bytes != 0) std::memcpy(r.data, s.data, s.bytes);
-      s.done = r.done = s.bytes;
-      s.header_done = r.header_done = kHeaderBytes;
-      s.complete = r.complete = true;
-      self_sends_.pop_front();
-      self_recvs_.pop_front();
-    }
-  }
-
   const int rank_;
   const int size_;
   std::vector<Peer> peers_;  // by rank; the entry of this rank has no socket
   std::deque<Request*> self_sends_;
   std::deque<Request*> self_recvs_;
-  std::unordered_map<RequestId, Request> requests_;  // node-based: Request* stay valid
-  RequestId next_id_ = 1;
+  transport_requests::RequestTable<Request> requests_;
   std::exception_ptr broken_;
   std::atomic<bool> in_use_{false};
   std::mutex io_mu_;
