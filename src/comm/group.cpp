@@ -1,5 +1,6 @@
-// Group: a handle over a transport, a progress thread that runs the group's operations in
-// issue order, and the error handling that turns any failure into a CommError on every rank.
+// Group: a handle over a transport (shared memory or TCP, see GroupOptions), a progress thread
+// that runs the group's operations in issue order, and the error handling that turns any
+// failure into a CommError on every rank.
 #include "dtrain/comm/group.h"
 
 #include <unistd.h>
@@ -18,6 +19,7 @@
 
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/transport.h"
+#include "net.h"
 
 namespace dtrain::comm {
 
@@ -377,6 +379,38 @@ int env_int(const char* var) {
   return static_cast<int>(x);
 }
 
+// options.transport, or DTRAIN_TRANSPORT while it is "auto", with "auto" resolved.
+std::string choose_transport(const std::string& option, bool same_host) {
+  std::string kind = option;
+  const char* env = std::getenv("DTRAIN_TRANSPORT");
+  if (kind == "auto" && env != nullptr && *env != '\0') {
+    kind = env;
+    DT_CHECK(kind == "auto" || kind == "shm" || kind == "tcp", "comm",
+             "DTRAIN_TRANSPORT='{}': expected auto, shm or tcp", kind);
+  }
+  DT_CHECK(kind == "auto" || kind == "shm" || kind == "tcp", "comm", "transport '{}': expected auto, shm or tcp",
+           option);
+  if (kind == "auto") kind = same_host ? "shm" : "tcp";
+  return kind;
+}
+
+// Ranks that chose different transports would each wait for the other at the rendezvous until
+// the timeout; compare the choices first and name the odd one out.
+void check_same_choice(Store& store, const std::string& name, int rank, int size, const std::string& kind,
+                       Duration timeout) {
+  store.set(fmt::format("{}/transport/{}", name, rank), kind);
+  for (int r = 0; r < size; ++r) {
+    const std::string theirs = store.get(fmt::format("{}/transport/{}", name, r), timeout);
+    DT_CHECK(theirs == kind, "comm",
+             "group '{}': rank {} uses transport {} but rank {} uses {} (set DTRAIN_TRANSPORT the same on every rank)",
+             name, rank, kind, r, net::printable(theirs));
+  }
+}
+
+bool is_loopback(const std::string& address) {
+  return address == "localhost" || address == "::1" || address.starts_with("127.");
+}
+
 void check_root(int root, int size, const char* op) {
   DT_CHECK(root >= 0 && root < size, "comm", "{}: root {} out of range for a group of {}", op, root, size);
 }
@@ -396,20 +430,33 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
   impl->options = options;
   impl->store = store;
 
-  // Which transport: shared memory when every rank runs on this host.
+  // Which transport: shared memory when every rank runs on this host, TCP otherwise.
   const std::string me = host_identity();
   store->set(fmt::format("{}/host/{}", name, rank), me);
   bool same_host = true;
   for (int r = 0; r < size; ++r) {
     if (store->get(fmt::format("{}/host/{}", name, r), options.timeout) != me) same_host = false;
   }
-  std::string kind = options.transport;
-  if (kind == "auto") kind = same_host ? "shm" : "tcp";
-  DT_CHECK(kind == "shm" || kind == "tcp", "comm", "transport '{}': expected auto, shm or tcp", options.transport);
+  const std::string kind = choose_transport(options.transport, same_host);
   DT_CHECK(!(kind == "shm" && !same_host), "comm", "group '{}': transport shm needs every rank on one host", name);
-  DT_CHECK(kind == "shm", "comm", "group '{}': ranks span several hosts but the TCP transport is not available yet",
-           name);
-  impl->transport = make_shm_transport(*store, name, rank, size, options.timeout);
+  check_same_choice(*store, name, rank, size, kind, options.timeout);
+  if (kind == "shm") {
+    impl->transport = make_shm_transport(*store, name, rank, size, options.timeout);
+  } else {
+    std::string secret = options.secret;
+    if (secret.empty()) {
+      const char* env = std::getenv("DTRAIN_SECRET");
+      secret = env != nullptr ? env : "";
+    }
+    DT_CHECK(!secret.empty(), "comm",
+             "group '{}': the tcp transport needs the job secret (GroupOptions::secret or DTRAIN_SECRET)", name);
+    const std::string bind = options.bind_address.empty() ? "127.0.0.1" : options.bind_address;
+    DT_CHECK(same_host || !is_loopback(bind), "comm",
+             "group '{}': ranks span several hosts but rank {} would publish the loopback address {}; set "
+             "GroupOptions::bind_address (or DTRAIN_BIND_ADDR) to an address the other hosts can reach",
+             name, rank, bind);
+    impl->transport = make_tcp_transport(*store, name, rank, size, secret, bind, options.timeout);
+  }
   DT_CHECK(options.algorithm != Algorithm::direct || impl->transport->direct() != nullptr, "comm",
            "group '{}': algorithm 'direct' needs a transport with native collectives (shm), not {}", name,
            impl->transport->kind());
@@ -427,6 +474,20 @@ Group Group::from_env(GroupOptions options) {
   DT_CHECK(secret != nullptr && *secret != '\0', "comm", "environment variable DTRAIN_SECRET is not set");
   const int port = env_int("MASTER_PORT");
   DT_CHECK(port > 0 && port < 65536, "comm", "MASTER_PORT {} out of range", port);
+  if (options.bind_address.empty()) {
+    const char* bind = std::getenv("DTRAIN_BIND_ADDR");
+    if (bind != nullptr && *bind != '\0') {
+      options.bind_address = bind;
+    } else {
+      try {
+        options.bind_address = net::local_address_toward(addr, static_cast<uint16_t>(port));
+      } catch (const net::NetError& e) {
+        DT_THROW("comm", "cannot find the local address that reaches MASTER_ADDR={} ({}); set DTRAIN_BIND_ADDR", addr,
+                 e.message());
+      }
+    }
+  }
+  if (options.secret.empty()) options.secret = secret;
   std::shared_ptr<void> server;
   const char* hosted = std::getenv("DTRAIN_STORE_HOSTED");
   if (rank == 0 && (hosted == nullptr || std::string(hosted) != "1")) {

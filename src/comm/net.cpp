@@ -81,6 +81,30 @@ std::string endpoint(const std::string& host, uint16_t port) {
   return fmt::format("{}:{}", host, port);
 }
 
+bool parse_endpoint(const std::string& text, std::string& host, uint16_t& port) {
+  size_t colon = 0;
+  if (!text.empty() && text.front() == '[') {
+    const size_t close = text.find(']');
+    if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') return false;
+    host = text.substr(1, close - 1);
+    colon = close + 1;
+  } else {
+    colon = text.rfind(':');
+    if (colon == std::string::npos) return false;
+    host = text.substr(0, colon);
+  }
+  const std::string digits = text.substr(colon + 1);
+  if (host.empty() || digits.empty() || digits.size() > 5) return false;
+  unsigned value = 0;
+  for (const char c : digits) {
+    if (c < '0' || c > '9') return false;
+    value = value * 10 + static_cast<unsigned>(c - '0');
+  }
+  if (value == 0 || value > 65535) return false;
+  port = static_cast<uint16_t>(value);
+  return true;
+}
+
 Fd listen_tcp(const std::string& address, uint16_t port, int backlog) {
   const std::string host = address.empty() ? "127.0.0.1" : address;
   const std::string where = fmt::format("cannot listen on {}", endpoint(host, port));
@@ -123,6 +147,42 @@ std::string peer_name(int fd) {
   socklen_t len = sizeof(ss);
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
   return address_name(reinterpret_cast<const sockaddr*>(&ss));
+}
+
+std::string local_address_toward(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  AddrInfo ai;
+  const std::string service = std::to_string(port == 0 ? 1 : port);
+  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &ai.head);
+  if (rc != 0) {
+    throw NetError(NetError::Kind::system, "getaddrinfo", rc == EAI_SYSTEM ? errno : 0,
+                   fmt::format("cannot resolve '{}': {}", host, gai_strerror(rc)), __FILE__, __LINE__);
+  }
+  int last_err = ENETUNREACH;
+  for (addrinfo* a = ai.head; a != nullptr; a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    if (!fd || ::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      last_err = errno;
+      continue;
+    }
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len) != 0) {
+      last_err = errno;
+      continue;
+    }
+    char name[INET6_ADDRSTRLEN] = "";
+    const auto* sa = reinterpret_cast<const sockaddr*>(&ss);
+    const void* addr = sa->sa_family == AF_INET6
+                           ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr)
+                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr);
+    if (::inet_ntop(sa->sa_family, addr, name, sizeof(name)) != nullptr) return name;
+    last_err = errno;
+  }
+  throw_sys("connect", last_err, fmt::format("no local address routes to '{}'", host));
 }
 
 void set_nonblocking(int fd) {
@@ -244,12 +304,24 @@ void WakeEvent::drain() {
 
 void put_u8(std::string& out, uint8_t v) { out.push_back(static_cast<char>(v)); }
 
+void store_u32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>((v >> (8 * i)) & 0xff);
+}
+
+void store_u64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>((v >> (8 * i)) & 0xff);
+}
+
 void put_u32(std::string& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  uint8_t b[4];
+  store_u32(b, v);
+  out.append(reinterpret_cast<const char*>(b), sizeof(b));
 }
 
 void put_u64(std::string& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  uint8_t b[8];
+  store_u64(b, v);
+  out.append(reinterpret_cast<const char*>(b), sizeof(b));
 }
 
 void put_bytes(std::string& out, std::string_view bytes) {
@@ -260,6 +332,12 @@ void put_bytes(std::string& out, std::string_view bytes) {
 uint32_t load_u32(const uint8_t* p) {
   return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
          (static_cast<uint32_t>(p[3]) << 24);
+}
+
+uint64_t load_u64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
 }
 
 bool WireReader::u8(uint8_t& v) {
@@ -277,8 +355,7 @@ bool WireReader::u32(uint32_t& v) {
 
 bool WireReader::u64(uint64_t& v) {
   if (remaining() < 8) return false;
-  v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p_[i]) << (8 * i);
+  v = load_u64(p_);
   p_ += 8;
   return true;
 }

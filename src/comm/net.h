@@ -63,6 +63,8 @@ class Fd {
 
 /// "host:port", or "[v6]:port" when host contains a colon.
 std::string endpoint(const std::string& host, uint16_t port);
+/// The inverse of endpoint(): false when `text` is not "host:port" / "[v6]:port" with a port in 1..65535.
+bool parse_endpoint(const std::string& text, std::string& host, uint16_t& port);
 
 /// A non-blocking, close-on-exec listening socket bound to `address` (a numeric address or a
 /// host name; "" means 127.0.0.1) with SO_REUSEADDR. Throws NetError.
@@ -71,6 +73,9 @@ Fd listen_tcp(const std::string& address, uint16_t port, int backlog);
 uint16_t local_port(int fd);
 /// The peer of a connected socket as "host:port" ("?" when unknown).
 std::string peer_name(int fd);
+/// The numeric local address this host would use to reach `host` (a UDP connect() that sends
+/// nothing, then getsockname): the address of the interface that routes there. Throws NetError.
+std::string local_address_toward(const std::string& host, uint16_t port);
 
 /// One connection attempt to every address `host` resolves to, until `deadline`. Returns a
 /// non-blocking, close-on-exec socket with TCP_NODELAY. Throws NetError (refused, timeout,
@@ -107,6 +112,10 @@ void put_u64(std::string& out, uint64_t v);
 /// u32 length followed by the bytes.
 void put_bytes(std::string& out, std::string_view bytes);
 uint32_t load_u32(const uint8_t* p);
+uint64_t load_u64(const uint8_t* p);
+/// Fixed-size fields written in place (headers kept in a struct rather than a string).
+void store_u32(uint8_t* p, uint32_t v);
+void store_u64(uint8_t* p, uint64_t v);
 
 /// Strict reader over a byte range: every read checks the remaining size and fails (returns
 /// false, consuming nothing) rather than reading past the end.

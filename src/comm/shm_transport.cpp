@@ -33,7 +33,6 @@
 #include <exception>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -48,12 +47,20 @@
 #include "dtrain/comm/transport.h"
 #include "shm_collectives.h"
 #include "shm_segment.h"
+#include "transport_requests.h"
 
 namespace dtrain::comm {
 
 namespace {
 
 using shm::Segment;
+using transport_requests::all_complete;
+using transport_requests::deliver_to_self;
+using transport_requests::describe;
+using transport_requests::peers_of;
+using transport_requests::pending_of;
+using transport_requests::throw_timeout;
+using transport_requests::UseGuard;
 
 constexpr size_t kHeaderBytes = 16;
 constexpr size_t kFrameAlign = 64;
@@ -64,7 +71,6 @@ constexpr int kYieldAfter = 256;  // idle passes of pure spinning before yieldin
 constexpr int kYieldEvery = 16;   // then sched_yield every kYieldEvery idle passes
 constexpr Duration kMaxSleep{20};
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
-constexpr size_t kMaxListedInMessage = 8;
 
 struct FrameHeader {
   uint64_t tag;
@@ -80,33 +86,9 @@ inline void cpu_relax() {
 #endif
 }
 
-struct Request {
-  RequestId id = 0;
-  bool is_send = false;
-  int peer = -1;
-  uint64_t tag = 0;
-  char* data = nullptr;
-  size_t bytes = 0;
-  size_t done = 0;           // payload bytes moved
+struct Request : transport_requests::RequestBase {
   bool header_done = false;  // header written (send) or read and matched (recv)
-  bool complete = false;
 };
-
-std::string describe(const Request& r) {
-  return fmt::format("{} rank {} (tag {}, {} of {} bytes)", r.is_send ? "send to" : "recv from", r.peer, r.tag, r.done,
-                     r.bytes);
-}
-
-std::string describe(const std::vector<Request*>& pending) {
-  std::string out;
-  for (size_t i = 0; i < pending.size() && i < kMaxListedInMessage; ++i) {
-    if (i > 0) out += "; ";
-    out += describe(*pending[i]);
-  }
-  if (pending.size() > kMaxListedInMessage) out += fmt::format("; and {} more", pending.size() - kMaxListedInMessage);
-  return out;
-}
-
 // One direction of one pair, seen from this rank.
 struct Channel {
   shm::RingCtl* ctl = nullptr;
@@ -122,22 +104,6 @@ struct Peer {
   Channel in;
 };
 
-// Rejects concurrent post/wait calls on one transport instead of corrupting its queues.
-class UseGuard {
- public:
-  explicit UseGuard(std::atomic<bool>& flag) : flag_(flag) {
-    if (flag_.exchange(true, std::memory_order_acquire)) {
-      DT_THROW("comm", "shm transport used by two threads at once (post_send/post_recv/wait must be serialized)");
-    }
-  }
-  ~UseGuard() { flag_.store(false, std::memory_order_release); }
-  UseGuard(const UseGuard&) = delete;
-  UseGuard& operator=(const UseGuard&) = delete;
-
- private:
-  std::atomic<bool>& flag_;
-};
-
 class ShmTransport final : public Transport {
  public:
   ShmTransport(Segment segment, int rank, int size)
@@ -148,6 +114,7 @@ class ShmTransport final : public Transport {
         mask_(seg_.ring_bytes() - 1),
         pid_(::getpid()),
         peers_(static_cast<size_t>(size)),
+        requests_("shm", rank, size),
         collectives_(seg_, rank, size, [this] { check_abort(); }) {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
@@ -176,8 +143,8 @@ class ShmTransport final : public Transport {
   DirectCollectives* direct() override { return &collectives_; }
 
   RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) override {
-    UseGuard guard(in_use_);
-    Request& r = add_request(true, peer, tag, const_cast<void*>(data), bytes, "post_send");
+    UseGuard guard(in_use_, "shm");
+    Request& r = requests_.add("post_send", true, peer, tag, const_cast<void*>(data), bytes);
     if (peer == rank_) {
       self_sends_.push_back(&r);
     } else {
@@ -190,16 +157,16 @@ class ShmTransport final : public Transport {
   }
 
   RequestId post_recv(int peer, uint64_t tag, void* data, size_t bytes) override {
-    UseGuard guard(in_use_);
-    Request& r = add_request(false, peer, tag, data, bytes, "post_recv");
+    UseGuard guard(in_use_, "shm");
+    Request& r = requests_.add("post_recv", false, peer, tag, data, bytes);
     (peer == rank_ ? self_recvs_ : peers_[static_cast<size_t>(peer)].in.queue).push_back(&r);
     return r.id;
   }
 
   void wait(const std::vector<RequestId>& ids, Deadline deadline) override {
-    UseGuard guard(in_use_);
+    UseGuard guard(in_use_, "shm");
     if (broken_) std::rethrow_exception(broken_);
-    std::vector<Request*> listed = find(ids);
+    const std::vector<Request*> listed = requests_.find(ids);
     try {
       drive(listed, deadline);
     } catch (const TransportError& e) {
@@ -207,13 +174,13 @@ class ShmTransport final : public Transport {
       if (e.kind() != TransportError::Kind::timeout) broken_ = std::current_exception();
       throw;
     }
-    for (Request* r : listed) requests_.erase(r->id);
+    requests_.reap(listed);
   }
 
   bool test(const std::vector<RequestId>& ids) override {
-    UseGuard guard(in_use_);
+    UseGuard guard(in_use_, "shm");
     if (broken_) std::rethrow_exception(broken_);
-    std::vector<Request*> listed = find(ids);
+    const std::vector<Request*> listed = requests_.find(ids);
     size_t cursor = 0;
     try {
       check_abort();
@@ -229,7 +196,7 @@ class ShmTransport final : public Transport {
       broken_ = std::current_exception();
       throw;
     }
-    for (Request* r : listed) requests_.erase(r->id);
+    requests_.reap(listed);
     return true;
   }
 
@@ -247,61 +214,6 @@ class ShmTransport final : public Transport {
   }
 
  private:
-  std::vector<Request*> find(const std::vector<RequestId>& ids) {
-    std::vector<Request*> listed;
-    listed.reserve(ids.size());
-    for (RequestId id : ids) {
-      auto it = requests_.find(id);
-      if (it != requests_.end()) {
-        listed.push_back(&it->second);
-      } else if (id == 0 || id >= next_id_) {
-        DT_THROW("comm", "shm wait: unknown request id {} (rank {} issued ids 1..{})", id, rank_, next_id_ - 1);
-      }  // else: completed and reaped by an earlier wait
-    }
-    return listed;
-  }
-
-  Request& add_request(bool is_send, int peer, uint64_t tag, void* data, size_t bytes, const char* op) {
-    if (peer < 0 || peer >= size_) {
-      DT_THROW("comm", "shm {}: peer {} out of range (rank {} of a group of {})", op, peer, rank_, size_);
-    }
-    if (data == nullptr && bytes != 0)
-      DT_THROW("comm", "shm {}: null buffer for {} bytes to/from rank {}", op, bytes, peer);
-    const RequestId id = next_id_++;
-    Request& r = requests_[id];
-    r.id = id;
-    r.is_send = is_send;
-    r.peer = peer;
-    r.tag = tag;
-    r.data = static_cast<char*>(data);
-    r.bytes = bytes;
-    return r;
-  }
-
-  // Requests complete roughly in order: resume the scan where the last one stopped, so a
-  // wait on thousands of requests costs O(1) per pass instead of O(n).
-  static bool all_complete(const std::vector<Request*>& listed, size_t& cursor) {
-    while (cursor < listed.size() && listed[cursor]->complete) ++cursor;
-    return cursor == listed.size();
-  }
-
-  static std::vector<Request*> pending_of(const std::vector<Request*>& listed) {
-    std::vector<Request*> pending;
-    for (Request* r : listed) {
-      if (!r->complete) pending.push_back(r);
-    }
-    return pending;
-  }
-
-  static std::vector<int> peers_of(const std::vector<Request*>& pending) {
-    std::vector<int> peers;
-    peers.reserve(pending.size());
-    for (const Request* r : pending) peers.push_back(r->peer);
-    std::sort(peers.begin(), peers.end());
-    peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
-    return peers;
-  }
-
   // The progress loop of wait(): pass, spin, sleep, with the failure checks in between.
   void drive(const std::vector<Request*>& listed, Deadline deadline) {
     const auto start = Clock::now();
@@ -317,7 +229,7 @@ class ShmTransport final : public Transport {
       Clock::time_point now{};
       if (iteration % kClockEvery == 0 || idle >= kSpinIterations) {
         now = Clock::now();
-        if (now >= deadline) throw_timeout(listed, now - start);
+        if (now >= deadline) throw_timeout("shm", rank_, listed, now - start);
         if (now - last_liveness >= kLivenessPeriod) {
           check_liveness(listed);
           last_liveness = now;
@@ -355,7 +267,7 @@ class ShmTransport final : public Transport {
   }
 
   bool pass() {
-    bool moved = !self_sends_.empty() && progress_self();
+    bool moved = !self_sends_.empty() && deliver_to_self("shm", rank_, self_sends_, self_recvs_);
     for (int k = 1; k < size_; ++k) {
       const int p = (rank_ + k) % size_;
       Peer& peer = peers_[static_cast<size_t>(p)];
@@ -517,28 +429,6 @@ class ShmTransport final : public Transport {
     if (slot.sleepers.load(std::memory_order_relaxed) != 0) shm::futex_wake_all(slot.futex);
   }
 
-  // Messages to self: matched in order, copied directly.
-  bool progress_self() {
-    bool moved = false;
-    while (!self_sends_.empty() && !self_recvs_.empty()) {
-      Request& s = *self_sends_.front();
-      Request& r = *self_recvs_.front();
-      if (s.tag != r.tag || s.bytes != r.bytes) {
-        throw TransportError(TransportError::Kind::protocol, {rank_},
-                             fmt::format("shm: rank {} sent tag {} ({} bytes) to itself but expected tag {} ({} bytes)",
-                                         rank_, s.tag, s.bytes, r.tag, r.bytes),
-                             __FILE__, __LINE__);
-      }
-      if (s.bytes != 0) std::memcpy(r.data, s.data, s.bytes);
-      s.done = r.done = s.bytes;
-      s.header_done = r.header_done = s.complete = r.complete = true;
-      self_sends_.pop_front();
-      self_recvs_.pop_front();
-      moved = true;
-    }
-    return moved;
-  }
-
   void check_abort() {
     if (seg_.header().abort_state.load(std::memory_order_acquire) != shm::kNotAborted) [[unlikely]] {
       throw_aborted();
@@ -562,16 +452,6 @@ class ShmTransport final : public Transport {
     throw TransportError(TransportError::Kind::aborted, std::move(peers),
                          by >= 0 ? fmt::format("shm: transport aborted by rank {}: {}", by, reason)
                                  : fmt::format("shm: transport aborted: {}", reason),
-                         __FILE__, __LINE__);
-  }
-
-  [[noreturn]] void throw_timeout(const std::vector<Request*>& listed, Clock::duration waited) {
-    const auto pending = pending_of(listed);
-    std::vector<int> peers = peers_of(pending);
-    throw TransportError(TransportError::Kind::timeout, peers,
-                         fmt::format("shm: rank {} timed out after {} ms waiting for rank(s) {}: {}", rank_,
-                                     std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
-                                     fmt::join(peers, ", "), describe(pending)),
                          __FILE__, __LINE__);
   }
 
@@ -618,8 +498,7 @@ class ShmTransport final : public Transport {
   std::vector<Peer> peers_;  // by rank; the entry of this rank is unused
   std::deque<Request*> self_sends_;
   std::deque<Request*> self_recvs_;
-  std::unordered_map<RequestId, Request> requests_;  // node-based: Request* stay valid
-  RequestId next_id_ = 1;
+  transport_requests::RequestTable<Request> requests_;
   std::exception_ptr broken_;
   std::atomic<bool> in_use_{false};
   Clock::time_point last_test_liveness_{};

@@ -35,10 +35,22 @@
 
 namespace dtrain::comm {
 
+/// Transport choice: "shm" (every rank on one host), "tcp", or "auto": shm when every rank
+/// runs on this host, tcp otherwise. While `transport` is "auto", the environment variable
+/// DTRAIN_TRANSPORT=shm|tcp|auto decides instead. Every rank must end up with the same choice
+/// (checked: a mismatch raises naming both ranks).
+///
+/// TCP: each rank listens on `bind_address` (an ephemeral port) and publishes that address in
+/// the store, so it must be one the other ranks can reach: the default "" means 127.0.0.1,
+/// fine on one host; a group spanning hosts needs the address of an interface they can reach
+/// (a wildcard 0.0.0.0 or :: publishes this host's name instead). Every connection is
+/// authenticated with `secret`, the job secret ("" means DTRAIN_SECRET).
 struct GroupOptions {
   Duration timeout = std::chrono::minutes(5);  // default for blocking calls and Work::wait()
-  std::string transport = "auto";              // auto | shm | tcp
+  std::string transport = "auto";              // auto | shm | tcp (see above; also DTRAIN_TRANSPORT)
   Algorithm algorithm = Algorithm::automatic;  // overrides the per-size choice (also DTRAIN_ALGO)
+  std::string bind_address;                    // tcp: address to listen on and publish; "" = 127.0.0.1
+  std::string secret;                          // tcp: the job secret; "" = DTRAIN_SECRET
 };
 
 class Work {
@@ -65,6 +77,8 @@ class Group {
                       const std::string& name = "world");
   /// Joins the world described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR,
   /// MASTER_PORT, DTRAIN_SECRET); throws dtrain::Error naming a missing or malformed variable.
+  /// An empty options.bind_address becomes DTRAIN_BIND_ADDR if set, else the address of the
+  /// local interface that routes to MASTER_ADDR (127.0.0.1 when the master is local).
   static Group from_env(GroupOptions options = {});
 
   Group() = default;

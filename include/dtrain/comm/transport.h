@@ -79,7 +79,8 @@ class Transport {
   /// while the rank waits for something else (no deadlock between a send and a later recv).
   virtual bool test(const std::vector<RequestId>& requests) = 0;
   /// Fails every current and future wait on this transport and, where the medium allows,
-  /// on the peers' transports too (shm: a shared abort flag; tcp: closing connections).
+  /// on the peers' transports too (shm: a shared abort flag; tcp: an abort frame carrying
+  /// the reason, then the connections' sending halves closed). May be called from any thread.
   virtual void abort(const std::string& reason) = 0;
   /// The transport's native collectives, or nullptr when it has none.
   virtual DirectCollectives* direct() { return nullptr; }
@@ -96,8 +97,16 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& p
                                               Duration timeout);
 
 /// TCP transport: one connection per pair (lower rank connects to higher), TCP_NODELAY,
-/// non-blocking sockets driven by poll(), authenticated with `secret` (HMAC-SHA256).
-/// Each rank listens on `bind_address` and publishes its address in `store`.
+/// non-blocking sockets driven by poll() in the waiting thread. Each rank listens on
+/// `bind_address` (an ephemeral port; "" means 127.0.0.1, a wildcard publishes the host name)
+/// and publishes "host:port" in `store` under `prefix`. Every connection is authenticated in
+/// both directions with `secret` (HMAC-SHA256 challenge-response) and states its rank; a
+/// connection with a wrong secret, a rank that may not dial this one, or a rank already
+/// connected is refused with the reason, and the rank keeps waiting for the genuine peer.
+/// Setup is bounded by `timeout` (TransportError timeout naming the missing ranks and the
+/// refused connections). Messages stream straight from and into the callers' buffers; a
+/// message is read only once its receive is posted, so memory stays bounded.
+/// A peer whose connection closes is reported dead, after what it sent before is delivered.
 std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& prefix, int rank, int size,
                                               const std::string& secret, const std::string& bind_address,
                                               Duration timeout);
