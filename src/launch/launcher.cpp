@@ -109,14 +109,22 @@ LaunchResult run_launch(const LaunchOptions& o) {
     int out[2], err[2];
     DT_CHECK(::pipe2(out, O_CLOEXEC) == 0 && ::pipe2(err, O_CLOEXEC) == 0, "launch", "pipe: {}",
              std::strerror(errno));
+    // A child inherits our handler, which reports signals through our pipe: a SIGTERM that
+    // reaches it before it restored the default would look like one sent to the launcher.
+    // Block the signals across the fork; the child unblocks them after restoring defaults.
+    sigset_t block{}, previous{};
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    sigaddset(&block, SIGTERM);
+    ::sigprocmask(SIG_BLOCK, &block, &previous);
     const pid_t pid = ::fork();
-    DT_CHECK(pid >= 0, "launch", "fork failed: {}", std::strerror(errno));
     if (pid == 0) {
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &previous, nullptr);
       ::setpgid(0, 0);  // its own process group, so stopping a worker stops its children too
       ::dup2(out[1], STDOUT_FILENO);
       ::dup2(err[1], STDERR_FILENO);
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
       ::setenv("RANK", std::to_string(w.rank).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
@@ -133,6 +141,8 @@ LaunchResult run_launch(const LaunchOptions& o) {
       std::fprintf(stderr, "dtrain launch: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
       ::_exit(127);
     }
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    DT_CHECK(pid >= 0, "launch", "fork failed: {}", std::strerror(errno));
     ::setpgid(pid, pid);  // also here: whichever runs first wins the race
     ::close(out[1]);
     ::close(err[1]);
