@@ -268,9 +268,21 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
   for (size_t off = 0; off < count; off += chunk_elems, ++chunk_) {
     const size_t m = std::min(chunk_elems, count - off);
     const size_t bytes = m * esize;
-    std::memcpy(stage(rank_), in + off * esize, bytes);
+    const bool small = bytes <= kSmallBytes || size_ == 1;
+    const auto [lo, hi] = slice(m, rank_, size_, esize);
+    // Large path: nobody else reads our own slice, so it is reduced straight from the input
+    // and only the other slices are staged. In place, the output overwrites the input while
+    // the sum runs: safe for ranks 0 and 1 (the first pair is read before anything is
+    // written), so ranks from 2 up stage their slice too.
+    const bool own_from_input = !small && (in != out || rank_ <= 1);
+    if (own_from_input) {
+      std::memcpy(stage(rank_), in + off * esize, lo * esize);
+      std::memcpy(stage(rank_) + hi * esize, in + (off + hi) * esize, (m - hi) * esize);
+    } else {
+      std::memcpy(stage(rank_), in + off * esize, bytes);
+    }
     sync(deadline);
-    if (bytes <= kSmallBytes || size_ == 1) {
+    if (small) {
       // Every rank reduces everything in rank order: one phase, identical bits everywhere.
       char* dst = out + off * esize;
       if (size_ == 1) {
@@ -284,11 +296,13 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     }
     // Slice `rank_` of every slot, reduced in rank order (the same order as the small path and
     // as one process accumulating micro-batches), into the output, then published in our slot.
-    const auto [lo, hi] = slice(m, rank_, size_, esize);
     if (hi > lo) {
       char* acc = out + (off + lo) * esize;
-      reduce_pair(acc, stage(0) + lo * esize, stage(1) + lo * esize, hi - lo, dtype, op);
-      for (int q = 2; q < size_; ++q) reduce_into(acc, stage(q) + lo * esize, hi - lo, dtype, op);
+      auto part = [&](int q) -> const char* {
+        return q == rank_ && own_from_input ? in + (off + lo) * esize : stage(q) + lo * esize;
+      };
+      reduce_pair(acc, part(0), part(1), hi - lo, dtype, op);
+      for (int q = 2; q < size_; ++q) reduce_into(acc, part(q), hi - lo, dtype, op);
       finish_avg(acc, hi - lo, dtype, op, size_);
       std::memcpy(stage(rank_) + lo * esize, acc, (hi - lo) * esize);
     }
