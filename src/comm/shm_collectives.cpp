@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -56,6 +57,7 @@ constexpr int kYieldAfter = 200;
 constexpr int kYieldEvery = 8;
 constexpr int kClockEvery = 64;
 constexpr Duration kMaxSleep{20};
+constexpr auto kOversubscribedSpin = std::chrono::milliseconds(2);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 
 inline void cpu_relax() {
@@ -126,6 +128,10 @@ Collectives::Collectives(const Segment& segment, int rank, int size, std::functi
            "shm: staging slots of {} bytes are too small for {} ranks (DTRAIN_SHM_STAGE_BYTES)", seg_.stage_bytes(),
            size_);
   phase_ = seg_.rank(rank_).arrived.load(std::memory_order_relaxed);
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  oversubscribed_ = size_ > cores;
 }
 
 void Collectives::begin(const Call& call) {
@@ -160,13 +166,21 @@ void Collectives::wait_all(Deadline deadline) {
   const auto start = Clock::now();
   auto last_liveness = start;
   int idle = 0;
+  // With more ranks than cores the peers we wait for need our core: yield at every turn, and
+  // sleep only after kOversubscribedSpin (a futex wake-up costs a scheduler round trip, which
+  // dominates small collectives); otherwise spin, then yield now and then, then sleep.
+  const int spin_limit = oversubscribed_ ? std::numeric_limits<int>::max() : kSpinIterations;
   for (uint64_t iteration = 1;; ++iteration) {
     // Arrival first: a peer that arrived and then aborted (e.g. on a call mismatch) still lets
     // this rank see the phase complete and report the mismatch from its own side.
     if (all_arrived(target, cursor)) return;
     check_abort_();
     ++idle;
-    if (iteration % kClockEvery == 0 || idle >= kSpinIterations) {
+    if (oversubscribed_) {
+      ::sched_yield();
+      if (iteration % 16 != 0) continue;
+    }
+    if (iteration % kClockEvery == 0 || idle >= spin_limit || oversubscribed_) {
       const auto now = Clock::now();
       if (now >= deadline) throw_stalled(target, now - start, true);
       if (now - last_liveness >= kLivenessPeriod) {
@@ -181,7 +195,7 @@ void Collectives::wait_all(Deadline deadline) {
           }
         }
       }
-      if (idle >= kSpinIterations) {
+      if (idle >= spin_limit || (oversubscribed_ && now - start >= kOversubscribedSpin)) {
         idle = 0;
         RankSlot& me = seg_.rank(rank_);
         const uint32_t seq = me.futex.load(std::memory_order_acquire);
@@ -195,6 +209,7 @@ void Collectives::wait_all(Deadline deadline) {
         continue;
       }
     }
+    if (oversubscribed_) continue;
     if (idle >= kYieldAfter && idle % kYieldEvery == 0) {
       ::sched_yield();
     } else {

@@ -53,6 +53,7 @@ class Collectives final : public DirectCollectives {
   uint64_t calls_ = 0;   // calls made; the parity selects the call record
   uint64_t chunk_ = 0;   // chunks moved; the parity selects the staging slot
   bool checked_ = true;  // whether the current call's records were compared
+  bool oversubscribed_ = false;  // more ranks than cores this process may run on
   Call call_{};
 };
 
