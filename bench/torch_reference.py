@@ -9,13 +9,23 @@ Run with Debian's PyTorch (/usr/bin/python3, python3-torch 1.13), e.g.
 Prints ONE JSON line shaped like dtrain's {"event":"final", ...} metrics record.
 `--model gemm` instead measures PyTorch's own sgemm rate (n x n, float32) for comparison with
 `dtrain bench gemm`.
+
+`--dp N` (N >= 1) trains data-parallel like `dtrain train --dp N` instead: N processes
+(torch.multiprocessing spawn), DistributedDataParallel over gloo (tcp://127.0.0.1:<free port>),
+one thread each, `--batch-size` the GLOBAL batch split over the ranks (rank r takes slice r of
+every global batch of one shared shuffled order, as dtrain does). `--dp 1` is one process
+without a process group or DDP wrapper (the baseline for scaling efficiency), timed the same
+way. Each step is timed, and the final record adds the rate over the steps after `--warmup`.
+Without `--dp` the single-process behaviour above is unchanged.
 """
 import argparse
+import datetime
 import gzip
 import json
 import math
 import os
 import resource
+import socket
 import sys
 import time
 
@@ -265,6 +275,153 @@ def run_gemm(args):
             "iters": iters, "gflops": 2.0 * n ** 3 * iters / dt / 1e9}
 
 
+# ------------------------------------------------------------------------------ data parallel
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dp_setup(args):
+    """Model, data and per-rank batch function of --model, built the same on every rank."""
+    if args.model == "mlp":
+        xtr, ytr, xte, yte = load_fashion(args.data_dir or FASHION_DIR)
+        torch.manual_seed(args.seed)
+        model = MLP(args.hidden)
+        return model, xtr.shape[0], (lambda i: (xtr[i].float().div_(255.0), ytr[i])), F.cross_entropy, 0, \
+            (xte, yte)
+    data, (tb, te), (vb, ve) = load_corpus(args.data_dir or FORTUNES_DIR, args.val_fraction)
+    T = args.seq_len
+    train_split, val_split = TextSplit(data, tb, te, T), TextSplit(data, vb, ve, T)
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.heads, args.width, T)
+    return model, train_split.size, train_split.get, gpt_loss, T, val_split
+
+
+def dp_evaluate(args, model, held_out):
+    """Rank 0 only, after training: test accuracy (mlp) or val loss (gpt) as run_mlp/run_gpt."""
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        if args.model == "mlp":
+            xte, yte = held_out
+            correct = 0
+            for b in range(0, xte.shape[0], 1000):
+                correct += (model(xte[b:b + 1000].float().div_(255.0)).argmax(-1) == yte[b:b + 1000]).sum().item()
+            out["test_accuracy"] = correct / xte.shape[0]
+        else:
+            val_split, B, n = held_out, args.batch_size, held_out.size
+            batches = (n + B - 1) // B
+            if args.eval_batches > 0:
+                batches = min(batches, args.eval_batches)
+            total, count = 0.0, 0
+            for b in range(batches):
+                idx = list(range(b * B, min(n, (b + 1) * B)))
+                x, y = val_split.get(idx)
+                total += gpt_loss(model(x), y).item() * len(idx)
+                count += len(idx)
+            out["val_loss"] = total / count if count else 0.0
+            out["val_samples"] = count
+    return out
+
+
+def dp_worker(rank, args, port):
+    """One rank: trains, rank 0 prints the final JSON record."""
+    torch.set_num_threads(args.threads)
+    world = args.dp
+    if world > 1:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.pg_timeout))
+    model, num_train, get_batch, loss_fn, tokens_per_sample, held_out = dp_setup(args)
+    params = sum(p.numel() for p in model.parameters())
+    net = model
+    if world > 1:
+        # The GPT's causal mask is a constant bool buffer, the same on every rank, and gloo cannot
+        # broadcast bool: DDP leaves it alone (dtrain has no buffers to sync either).
+        buffers = [n for n, _ in model.named_buffers()]
+        if buffers:
+            DDP._set_params_and_buffers_to_ignore_for_model(model, buffers)
+        net = DDP(model, bucket_cap_mb=args.bucket_mb)  # broadcasts rank 0's parameters
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    B = args.batch_size
+    b = B // world
+    gen = torch.Generator().manual_seed(args.seed + 1)  # same order on every rank
+    steps_per_epoch = num_train // B
+    if steps_per_epoch < 1:
+        sys.exit(f"--batch-size {B} is larger than the training set ({num_train})")
+    net.train()
+    losses, step_times = [], []
+    perm = None
+    for step in range(args.steps):
+        if step % steps_per_epoch == 0:
+            perm = torch.randperm(num_train, generator=gen)
+        pos = (step % steps_per_epoch) * B + rank * b
+        t0 = time.perf_counter()
+        x, y = get_batch(perm[pos:pos + b])
+        loss = loss_fn(net(x), y)
+        loss.backward()  # DDP all_reduces the gradient buckets during backward and waits for them
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - t0)
+        val = loss.item()
+        if not math.isfinite(val):
+            sys.exit(f"rank {rank}: loss is {val} at step {step + 1}: training diverged")
+        losses.append(val)
+    warm = min(args.warmup, args.steps - 1)
+    tail = losses[-50:]
+    mine = torch.tensor([sum(step_times), sum(step_times[warm:]), sum(tail) / len(tail),
+                         float(peak_rss_bytes())], dtype=torch.float64)
+    if world > 1:
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+    else:
+        everyone = [mine]
+    if rank == 0:
+        train_time, timed = mine[0].item(), mine[1].item()
+        samples_per_s = args.steps * B / train_time
+        rate_after = (args.steps - warm) * B / timed
+        out = {"event": "final", "impl": "torch", "torch_version": torch.__version__, "model": args.model,
+               "world": world, "ddp": world > 1, "backend": "gloo" if world > 1 else None,
+               "bucket_mb": args.bucket_mb if world > 1 else None, "threads": torch.get_num_threads(),
+               "steps": args.steps, "batch_size": B, "batch_per_rank": b, "warmup": warm,
+               "train_loss": sum(e[2].item() for e in everyone) / world,
+               "train_time_s": train_time, "samples_per_s": samples_per_s,
+               "timed_steps": args.steps - warm, "timed_s": timed, "samples_per_s_after_warmup": rate_after,
+               "train_time_s_per_rank": [e[0].item() for e in everyone],
+               "peak_rss_bytes_per_rank": [int(e[3].item()) for e in everyone],
+               "step_time_s_median": sorted(step_times[warm:])[len(step_times[warm:]) // 2],
+               "params": params}
+        if tokens_per_sample:
+            out["tokens_per_s"] = samples_per_s * tokens_per_sample
+            out["tokens_per_s_after_warmup"] = rate_after * tokens_per_sample
+        if args.model == "gpt":
+            out["non_embedding_params"] = model.non_embedding_params()
+        out.update(dp_evaluate(args, model, held_out))
+        out["peak_rss_bytes"] = peak_rss_bytes()
+        print(json.dumps(out), flush=True)
+    if world > 1:
+        dist.barrier()  # rank 0 evaluates while the others wait, then all leave together
+        dist.destroy_process_group()
+
+
+def run_dp(args):
+    if args.model not in ("mlp", "gpt"):
+        sys.exit("--dp needs --model mlp or gpt")
+    if args.dp < 1 or args.batch_size % args.dp:
+        sys.exit(f"--batch-size {args.batch_size} must be a multiple of --dp {args.dp} (>= 1)")
+    if args.steps < 1:
+        sys.exit("--steps must be >= 1")
+    if args.dp == 1:
+        dp_worker(0, args, 0)
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.multiprocessing as mp
+    mp.spawn(dp_worker, args=(args, free_port()), nprocs=args.dp, join=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["mlp", "gpt", "gemm"], default="mlp")
@@ -283,6 +440,11 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--size", type=int, default=512, help="gemm: matrix size")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data parallel: N processes, DDP over gloo (see above); --batch-size is global")
+    p.add_argument("--warmup", type=int, default=0, help="--dp: steps left out of samples_per_s_after_warmup")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="--dp: DDP bucket_cap_mb")
+    p.add_argument("--pg-timeout", type=float, default=300.0, help="--dp: process group timeout (s)")
     args = p.parse_args()
     args.hidden = [int(h) for h in args.hidden.split(",") if h]
     if args.batch_size is None:
@@ -290,6 +452,9 @@ def main():
     if args.lr is None:
         args.lr = 3e-4 if args.model == "gpt" else 1e-3
     torch.set_num_threads(args.threads)
+    if args.dp is not None:
+        run_dp(args)  # prints its own record (rank 0)
+        return
     out = {"mlp": run_mlp, "gpt": run_gpt, "gemm": run_gemm}[args.model](args)
     out["peak_rss_bytes"] = peak_rss_bytes()
     print(json.dumps(out), flush=True)
