@@ -51,7 +51,10 @@ namespace {
 
 constexpr size_t kSmallBytes = size_t{16} << 10;
 constexpr size_t kAlignBytes = 64;
-constexpr size_t kStreamingBytes = size_t{16} << 20;  // results this large bypass the cache
+// Results this large bypass the cache. With more ranks than cores the ranks take turns on a
+// core and the cache holds little of anyone's data, so streaming pays off much earlier.
+constexpr size_t kStreamingBytes = size_t{32} << 20;
+constexpr size_t kStreamingBytesOversubscribed = size_t{1} << 20;
 constexpr int kSpinIterations = 4000;
 constexpr int kYieldAfter = 200;
 constexpr int kYieldEvery = 8;
@@ -80,12 +83,12 @@ const char* kind_name(uint64_t kind) {
 }
 
 std::string describe_call(const uint64_t* rec) {
-  const auto kind = rec[0];
+  const auto kind = rec[0] & 0xff;
   if (kind == 5) return "barrier";
-  const auto dtype = static_cast<DataType>(rec[1]);
-  if (kind == 2) return fmt::format("broadcast({}, {}, root {})", name_of(dtype), rec[2], rec[3]);
-  if (kind == 3) return fmt::format("all_gather({}, {})", name_of(dtype), rec[2]);
-  return fmt::format("{}({}, {}, {})", kind_name(kind), name_of(dtype), rec[2], name_of(static_cast<ReduceOp>(rec[3])));
+  const auto dtype = static_cast<DataType>((rec[0] >> 8) & 0xff);
+  if (kind == 2) return fmt::format("broadcast({}, {}, root {})", name_of(dtype), rec[1], rec[2]);
+  if (kind == 3) return fmt::format("all_gather({}, {})", name_of(dtype), rec[1]);
+  return fmt::format("{}({}, {}, {})", kind_name(kind), name_of(dtype), rec[1], name_of(static_cast<ReduceOp>(rec[2])));
 }
 
 // [lo, hi) of slice `r` of `m` elements split over `p` ranks, cut on kAlignBytes boundaries.
@@ -137,10 +140,9 @@ Collectives::Collectives(const Segment& segment, int rank, int size, std::functi
 void Collectives::begin(const Call& call) {
   call_ = call;
   uint64_t* rec = seg_.rank(rank_).call[calls_ & 1];
-  rec[0] = static_cast<uint64_t>(call.kind);
-  rec[1] = static_cast<uint64_t>(call.dtype);
-  rec[2] = call.count;
-  rec[3] = call.arg;
+  rec[0] = static_cast<uint64_t>(call.kind) | static_cast<uint64_t>(call.dtype) << 8;
+  rec[1] = call.count;
+  rec[2] = call.arg;
   checked_ = false;
 }
 
@@ -233,7 +235,7 @@ void Collectives::check_calls() const {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     const uint64_t* theirs = seg_.rank(p).call[calls_ & 1];
-    if (std::equal(mine, mine + 4, theirs)) continue;
+    if (std::equal(mine, mine + 3, theirs)) continue;
     throw TransportError(TransportError::Kind::protocol, {p},
                          fmt::format("shm: rank {} called {} but rank {} called {} (call #{} on this transport)", p,
                                      describe_call(theirs), rank_, describe_call(mine), calls_),
@@ -328,7 +330,7 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
       if (qhi <= qlo) continue;
       char* dst = out + (off + qlo) * esize;
       const char* src = stage(q) + qlo * esize;
-      if (count * esize >= kStreamingBytes) {
+      if (count * esize >= (oversubscribed_ ? kStreamingBytesOversubscribed : kStreamingBytes)) {
         copy_streaming(dst, src, (qhi - qlo) * esize);
       } else {
         std::memcpy(dst, src, (qhi - qlo) * esize);

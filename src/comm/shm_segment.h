@@ -61,9 +61,10 @@ struct RankSlot {
   alignas(kLine) std::atomic<uint32_t> futex;
   std::atomic<uint32_t> sleepers;  // > 0 while one of its threads is about to sleep or sleeps
   // Direct collectives: phases this rank completed (monotonic), and the call it made, one
-  // record per parity of its call counter (see shm_collectives.cpp).
+  // record {kind | dtype << 8, count, op or root} per parity of its call counter (see
+  // shm_collectives.cpp); 56 bytes, so a peer's wait and check touch one cache line.
   alignas(kLine) std::atomic<uint64_t> arrived;
-  uint64_t call[2][4];
+  uint64_t call[2][3];
 };
 
 struct RingCtl {
