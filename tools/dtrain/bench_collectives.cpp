@@ -306,15 +306,18 @@ PingPong ping_pong(Group& g) {
     }
     pp.points.push_back({bytes, percentile(t, 0.5)});
   }
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  const double n = static_cast<double>(pp.points.size());
+  // beta: least-squares slope through the messages of 32 KiB and more (bandwidth-bound);
+  // alpha: the fastest one-way time of the small ones (the fitted intercept is dominated by
+  // the large messages and noise).
+  double sx = 0, sy = 0, sxx = 0, sxy = 0, n = 0;
+  pp.alpha = 1e9;
   for (auto [b, y] : pp.points) {
+    if (b <= 2048) pp.alpha = std::min(pp.alpha, y);
+    if (b < 32768) continue;
     const double x = static_cast<double>(b);
-    sx += x, sy += y, sxx += x * x, sxy += x * y;
+    sx += x, sy += y, sxx += x * x, sxy += x * y, n += 1;
   }
-  pp.beta = (n * sxy - sx * sy) / (n * sxx - sx * sx);
-  // alpha from the smallest messages (the fitted intercept is dominated by the large ones).
-  pp.alpha = pp.points.front().second;
+  pp.beta = n >= 2 ? (n * sxy - sx * sy) / (n * sxx - sx * sx) : 0.0;
   return pp;
 }
 
