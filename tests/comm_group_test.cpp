@@ -8,34 +8,13 @@
 #include <thread>
 
 #include "dtrain/comm/group.h"
+#include "comm_test_util.h"
 
 using namespace dtrain::comm;
 
 namespace {
 
-// Runs fn(group) on `size` threads joined through one in-memory store; rethrows the first
-// failure on the test thread.
-void run_ranks(int size, const std::function<void(Group&)>& fn, GroupOptions opts = {}) {
-  auto store = make_memory_store();
-  static std::atomic<int> job{0};
-  const std::string name = "test" + std::to_string(job++);
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        Group g = Group::create(store, r, size, opts, name);
-        fn(g);
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
+using dtrain::comm::test_util::run_ranks;
 
 class GroupSizes : public ::testing::TestWithParam<int> {};
 

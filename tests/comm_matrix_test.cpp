@@ -20,33 +20,14 @@
 
 #include <fmt/format.h>
 
+#include "comm_test_util.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/tensor/half.h"
 
 namespace dtrain::comm {
 namespace {
 
-void run_ranks(int size, const GroupOptions& opts, const std::function<void(Group&)>& fn) {
-  auto store = make_memory_store();
-  static std::atomic<int> job{0};
-  const std::string name = "matrix" + std::to_string(job++);
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        Group g = Group::create(store, r, size, opts, name);
-        fn(g);
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
+using test_util::run_ranks;
 
 constexpr DataType kTypes[] = {DataType::f32, DataType::bf16, DataType::f16, DataType::f64,
                                DataType::i32, DataType::i64,  DataType::u8};
@@ -141,7 +122,7 @@ class CollectiveMatrix : public ::testing::TestWithParam<Param> {
 
 TEST_P(CollectiveMatrix, AllReduceEveryDtypeOpAndPlacement) {
   const int p = GetParam().world;
-  run_ranks(p, options(), [&](Group& g) {
+  run_ranks(p, [&](Group& g) {
     const int r = g.rank();
     for (DataType t : kTypes) {
       for (ReduceOp op : kOps) {
@@ -161,12 +142,12 @@ TEST_P(CollectiveMatrix, AllReduceEveryDtypeOpAndPlacement) {
         }
       }
     }
-  });
+  }, options());
 }
 
 TEST_P(CollectiveMatrix, ReduceScatterAndAllGather) {
   const int p = GetParam().world;
-  run_ranks(p, options(), [&](Group& g) {
+  run_ranks(p, [&](Group& g) {
     const int r = g.rank();
     for (DataType t : kTypes) {
       for (size_t n : counts_for(t)) {  // n = elements per rank
@@ -199,13 +180,13 @@ TEST_P(CollectiveMatrix, ReduceScatterAndAllGather) {
         }
       }
     }
-  });
+  }, options());
 }
 
 TEST_P(CollectiveMatrix, UnevenCountsBroadcastReduceGatherScatterAllToAll) {
   const int p = GetParam().world;
   const auto P = static_cast<size_t>(p);
-  run_ranks(p, options(), [&](Group& g) {
+  run_ranks(p, [&](Group& g) {
     const int r = g.rank();
     for (DataType t : {DataType::f32, DataType::bf16, DataType::i64, DataType::u8}) {
       for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{4099}, size_t{300007}}) {
@@ -277,7 +258,7 @@ TEST_P(CollectiveMatrix, UnevenCountsBroadcastReduceGatherScatterAllToAll) {
         g.barrier();
       }
     }
-  });
+  }, options());
 }
 
 // Arbitrary floats: the f32 sum is within (p - 1) * eps * sum|x| of the exact (double) sum,
@@ -286,7 +267,7 @@ TEST_P(CollectiveMatrix, FloatSumWithinBoundAndIdenticalOnEveryRank) {
   const int p = GetParam().world;
   const size_t n = 100003;
   std::vector<std::vector<float>> results(static_cast<size_t>(p));
-  run_ranks(p, options(), [&](Group& g) {
+  run_ranks(p, [&](Group& g) {
     std::mt19937 gen(static_cast<unsigned>(g.rank()) + 11);
     std::normal_distribution<float> dist(0.0f, 1.0f);
     std::vector<float> x(n);
@@ -294,7 +275,7 @@ TEST_P(CollectiveMatrix, FloatSumWithinBoundAndIdenticalOnEveryRank) {
     std::vector<float> out(n);
     g.all_reduce(x.data(), out.data(), n, DataType::f32, ReduceOp::sum);
     results[static_cast<size_t>(g.rank())] = out;
-  });
+  }, options());
   std::vector<double> exact(n, 0.0), mag(n, 0.0);
   for (int r = 0; r < p; ++r) {
     std::mt19937 gen(static_cast<unsigned>(r) + 11);

@@ -27,6 +27,7 @@
 #include "../src/comm/net.h"
 #include "../src/comm/tcp_wire.h"
 #include "dtrain/comm/group.h"
+#include "comm_test_util.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
 
@@ -708,29 +709,7 @@ TEST(CommTcpTransport, RendezvousTimeoutNamesTheRankThatNeverPublished) {
 
 // ---- Group over TCP ----
 
-// Runs fn(group) on `size` threads joined through one in-memory store; rethrows the first
-// failure on the test thread.
-void run_ranks(int size, const std::function<void(Group&)>& fn, GroupOptions opts) {
-  auto store = make_memory_store();
-  static std::atomic<int> job{0};
-  const std::string name = fmt::format("tcpgroup{}", job++);
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        Group g = Group::create(store, r, size, opts, name);
-        fn(g);
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
+using dtrain::comm::test_util::run_ranks;
 
 GroupOptions tcp_options() {
   GroupOptions o;

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm_test_util.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/optim/optim.h"
@@ -27,27 +28,9 @@ namespace {
 constexpr int64_t kIn = 24, kClasses = 5, kBatch = 24;  // 24: divisible by 1, 2, 3, 4 ranks x 2 micro-steps
 
 void run_ranks(int size, const std::function<void(comm::Group&)>& fn) {
-  auto store = comm::make_memory_store();
-  static std::atomic<int> job{0};
-  const std::string name = "ddp" + std::to_string(job++);
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        comm::GroupOptions o;
-        o.timeout = std::chrono::seconds(30);
-        comm::Group g = comm::Group::create(store, r, size, o, name);
-        fn(g);
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  comm::GroupOptions o;
+  o.timeout = std::chrono::seconds(30);
+  comm::test_util::run_ranks(size, fn, o);
 }
 
 // A fixed data set: step s uses rows [s*kBatch, (s+1)*kBatch).

@@ -1,0 +1,39 @@
+// Shared by the comm, Group and DataParallel tests: ranks as threads over one in-memory store.
+#pragma once
+
+#include <atomic>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dtrain/comm/group.h"
+
+namespace dtrain::comm::test_util {
+
+// Runs fn(group) on `size` threads, each joining one new group through one in-memory store;
+// rethrows the first failure (in rank order) on the calling thread.
+inline void run_ranks(int size, const std::function<void(Group&)>& fn, const GroupOptions& opts = {}) {
+  auto store = make_memory_store();
+  static std::atomic<int> job{0};
+  const std::string name = "test" + std::to_string(job++);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        Group g = Group::create(store, r, size, opts, name);
+        fn(g);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace dtrain::comm::test_util
