@@ -63,12 +63,18 @@ constexpr Duration kMaxSleep{20};
 constexpr auto kOversubscribedSpin = std::chrono::milliseconds(2);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
+// dst = part(0) op part(1) op ... op part(p - 1), in rank order, so every caller (and one
+// process accumulating the same vectors in order) gets the same bits; then averaged for avg.
+// dst may alias part(0) or part(1).
+template <typename Part>
+void reduce_in_rank_order(char* dst, int p, Part part, size_t n, DataType dtype, ReduceOp op) {
+  if (p == 1) {
+    if (dst != part(0)) std::memcpy(dst, part(0), n * size_of(dtype));
+  } else {
+    reduce_pair(dst, part(0), part(1), n, dtype, op);
+    for (int q = 2; q < p; ++q) reduce_into(dst, part(q), n, dtype, op);
+  }
+  finish_avg(dst, n, dtype, op, p);
 }
 
 const char* kind_name(uint64_t kind) {
@@ -190,8 +196,7 @@ void Collectives::wait_all(Deadline deadline) {
         for (int p = cursor; p < size_; ++p) {
           const RankSlot& s = seg_.rank(p);
           if (s.arrived.load(std::memory_order_acquire) >= target) continue;
-          if (s.departed.load(std::memory_order_acquire) != 0 ||
-              !process_alive(s.pid.load(std::memory_order_acquire), s.start_time.load(std::memory_order_relaxed))) {
+          if (gone_reason(s) != nullptr) {
             if (all_arrived(target, cursor)) return;
             throw_stalled(target, now - start, false);
           }
@@ -250,11 +255,7 @@ void Collectives::throw_stalled(uint64_t target, Clock::duration waited, bool ti
     const RankSlot& s = seg_.rank(p);
     if (s.arrived.load(std::memory_order_acquire) >= target) continue;
     missing.push_back(p);
-    if (s.departed.load(std::memory_order_acquire) != 0) {
-      dead.push_back(fmt::format("rank {} (pid {}) closed its transport", p, s.pid.load()));
-    } else if (!process_alive(s.pid.load(std::memory_order_acquire), s.start_time.load(std::memory_order_relaxed))) {
-      dead.push_back(fmt::format("rank {} (pid {}) died", p, s.pid.load()));
-    }
+    if (const char* why = gone_reason(s)) dead.push_back(fmt::format("rank {} (pid {}) {}", p, s.pid.load(), why));
   }
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(waited).count();
   const std::string what = describe_call(seg_.rank(rank_).call[calls_ & 1]);
@@ -300,15 +301,8 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     }
     sync(deadline);
     if (small) {
-      // Every rank reduces everything in rank order: one phase, identical bits everywhere.
-      char* dst = out + off * esize;
-      if (size_ == 1) {
-        if (dst != in + off * esize) std::memcpy(dst, stage(0), bytes);
-      } else {
-        reduce_pair(dst, stage(0), stage(1), m, dtype, op);
-        for (int r = 2; r < size_; ++r) reduce_into(dst, stage(r), m, dtype, op);
-      }
-      finish_avg(dst, m, dtype, op, size_);
+      // Every rank reduces everything: one phase, identical bits everywhere.
+      reduce_in_rank_order(out + off * esize, size_, [&](int q) { return stage(q); }, m, dtype, op);
       continue;
     }
     // Slice `rank_` of every slot, reduced in rank order (the same order as the small path and
@@ -318,9 +312,7 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
       auto part = [&](int q) -> const char* {
         return q == rank_ && own_from_input ? in + (off + lo) * esize : stage(q) + lo * esize;
       };
-      reduce_pair(acc, part(0), part(1), hi - lo, dtype, op);
-      for (int q = 2; q < size_; ++q) reduce_into(acc, part(q), hi - lo, dtype, op);
-      finish_avg(acc, hi - lo, dtype, op, size_);
+      reduce_in_rank_order(acc, size_, part, hi - lo, dtype, op);
       std::memcpy(stage(rank_) + lo * esize, acc, (hi - lo) * esize);
     }
     sync(deadline);
@@ -389,15 +381,8 @@ void Collectives::reduce_scatter(const void* input, void* output, size_t count, 
                   m * esize);
     }
     sync(deadline);
-    char* dst = out + off * esize;
     const size_t at = static_cast<size_t>(rank_) * m * esize;
-    if (size_ == 1) {
-      std::memcpy(dst, stage(0) + at, m * esize);
-    } else {
-      reduce_pair(dst, stage(0) + at, stage(1) + at, m, dtype, op);
-      for (int r = 2; r < size_; ++r) reduce_into(dst, stage(r) + at, m, dtype, op);
-    }
-    finish_avg(dst, m, dtype, op, size_);
+    reduce_in_rank_order(out + off * esize, size_, [&](int q) { return stage(q) + at; }, m, dtype, op);
   }
 }
 

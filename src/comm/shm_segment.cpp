@@ -260,4 +260,11 @@ bool process_alive(pid_t pid, uint64_t start_time) {
   return !(::kill(pid, 0) != 0 && errno == ESRCH);
 }
 
+const char* gone_reason(const RankSlot& slot) {
+  if (slot.departed.load(std::memory_order_acquire) != 0) return "closed its transport";
+  const pid_t pid = slot.pid.load(std::memory_order_acquire);
+  if (pid != ::getpid() && !process_alive(pid, slot.start_time.load(std::memory_order_relaxed))) return "died";
+  return nullptr;
+}
+
 }  // namespace dtrain::comm::shm

@@ -23,6 +23,10 @@
 #include <cstdint>
 #include <string>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm::shm {
@@ -153,5 +157,19 @@ uint64_t process_start_time(pid_t pid);
 /// False when the process is gone: no such pid, a zombie, or a different process now holding
 /// the pid (start time changed). True when alive or when it cannot tell.
 bool process_alive(pid_t pid, uint64_t start_time);
+
+/// Why the rank owning `slot` is gone for good: "closed its transport" (it left), "died" (its
+/// process is gone), or nullptr while it lives. Ranks in this process (threads) live as long
+/// as it does.
+const char* gone_reason(const RankSlot& slot);
+
+/// One turn of a spin-wait loop: tells the core (and an SMT sibling) that we are waiting.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
 
 }  // namespace dtrain::comm::shm

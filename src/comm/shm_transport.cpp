@@ -36,9 +36,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -53,6 +50,7 @@ namespace dtrain::comm {
 
 namespace {
 
+using shm::cpu_relax;
 using shm::Segment;
 using transport_requests::all_complete;
 using transport_requests::deliver_to_self;
@@ -77,14 +75,6 @@ struct FrameHeader {
   uint64_t bytes;
 };
 static_assert(sizeof(FrameHeader) == kHeaderBytes);
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 struct Request : transport_requests::RequestBase {
   bool header_done = false;  // header written (send) or read and matched (recv)
@@ -112,7 +102,6 @@ class ShmTransport final : public Transport {
         size_(size),
         cap_(seg_.ring_bytes()),
         mask_(seg_.ring_bytes() - 1),
-        pid_(::getpid()),
         peers_(static_cast<size_t>(size)),
         requests_("shm", rank, size),
         collectives_(seg_, rank, size, [this] { check_abort(); }) {
@@ -460,12 +449,7 @@ class ShmTransport final : public Transport {
     std::vector<int> gone;
     for (int p : peers_of(pending_of(listed))) {
       if (p == rank_) continue;
-      const shm::RankSlot& slot = seg_.rank(p);
-      const pid_t pid = slot.pid.load(std::memory_order_acquire);
-      if (slot.departed.load(std::memory_order_acquire) != 0 ||
-          (pid != pid_ && !shm::process_alive(pid, slot.start_time.load(std::memory_order_relaxed)))) {
-        gone.push_back(p);
-      }
+      if (shm::gone_reason(seg_.rank(p)) != nullptr) gone.push_back(p);
     }
     if (gone.empty()) return;
     // It may have written its last messages before it went: take what is in the rings.
@@ -477,10 +461,9 @@ class ShmTransport final : public Transport {
     for (int p : gone) {
       if (std::none_of(pending.begin(), pending.end(), [p](const Request* r) { return r->peer == p; })) continue;
       const shm::RankSlot& slot = seg_.rank(p);
-      const bool closed = slot.departed.load(std::memory_order_acquire) != 0;
+      const char* why = shm::gone_reason(slot);  // permanent once seen, so not null here
       if (!who.empty()) who += ", ";
-      who += fmt::format("rank {} (pid {}) {}", p, slot.pid.load(std::memory_order_relaxed),
-                         closed ? "closed its transport" : "died");
+      who += fmt::format("rank {} (pid {}) {}", p, slot.pid.load(std::memory_order_relaxed), why ? why : "died");
       dead.push_back(p);
     }
     if (dead.empty()) return;
@@ -494,7 +477,6 @@ class ShmTransport final : public Transport {
   const int size_;
   const size_t cap_;
   const size_t mask_;
-  const pid_t pid_;
   std::vector<Peer> peers_;  // by rank; the entry of this rank is unused
   std::deque<Request*> self_sends_;
   std::deque<Request*> self_recvs_;
