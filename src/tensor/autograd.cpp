@@ -103,9 +103,15 @@ void attach(Tensor& output, const std::shared_ptr<Node>& node, std::initializer_
 void run_backward(const Tensor& root) {
   DT_CHECK(root.defined(), "autograd", "backward() on an undefined tensor");
   DT_CHECK(root.numel() == 1, "autograd", "backward() needs a scalar, got shape {}", shape_str(root.shape()));
+  run_backward(root, Tensor::ones(root.shape()));
+}
+
+void run_backward(const Tensor& root, const Tensor& seed) {
+  DT_CHECK(root.defined() && seed.defined(), "autograd", "backward() on an undefined tensor");
+  DT_CHECK(seed.shape() == root.shape(), "autograd", "backward() gradient of shape {} for a tensor of shape {}",
+           shape_str(seed.shape()), shape_str(root.shape()));
   DT_CHECK(root.requires_grad(), "autograd", "backward() on a tensor that does not require grad");
   NoGradGuard no_grad;
-  Tensor seed = Tensor::ones(root.shape());
   if (root.is_leaf()) {
     Tensor leaf = root;
     AccumulateGrad::accumulate(leaf, seed);

@@ -1,5 +1,6 @@
 #include "dtrain/tensor/tensor.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -45,13 +46,31 @@ Shape contiguous_strides(const Shape& shape) {
   return strides;
 }
 
+namespace {
+std::atomic<int64_t> g_live_bytes{0};
+std::atomic<int64_t> g_peak_bytes{0};
+}  // namespace
+
+namespace memory {
+int64_t live_bytes() { return g_live_bytes.load(std::memory_order_relaxed); }
+int64_t peak_bytes() { return g_peak_bytes.load(std::memory_order_relaxed); }
+void reset_peak() { g_peak_bytes.store(live_bytes(), std::memory_order_relaxed); }
+}  // namespace memory
+
 Storage::Storage(size_t n) : nbytes(n) {
   const size_t rounded = ((n + 63) / 64) * 64;
   data = rounded == 0 ? nullptr : std::aligned_alloc(64, rounded);
   DT_CHECK(rounded == 0 || data != nullptr, "tensor", "out of memory allocating {} bytes", n);
+  const int64_t live = g_live_bytes.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
+  int64_t peak = g_peak_bytes.load(std::memory_order_relaxed);
+  while (live > peak && !g_peak_bytes.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
+  }
 }
 
-Storage::~Storage() { std::free(data); }
+Storage::~Storage() {
+  std::free(data);
+  g_live_bytes.fetch_sub(static_cast<int64_t>(nbytes), std::memory_order_relaxed);
+}
 
 namespace {
 
@@ -394,6 +413,7 @@ void Tensor::zero_grad() { checked(impl_).grad.reset(); }
 std::shared_ptr<Node> Tensor::grad_fn() const { return checked(impl_).grad_fn; }
 
 void Tensor::backward() const { autograd::run_backward(*this); }
+void Tensor::backward(const Tensor& grad) const { autograd::run_backward(*this, grad); }
 
 void Tensor::register_grad_ready_hook(GradReadyHook hook) {
   DT_CHECK(is_leaf() && requires_grad(), "autograd", "grad-ready hooks go on leaves that require grad");

@@ -55,6 +55,8 @@ bool needs_grad(std::initializer_list<const Tensor*> inputs);
 void attach(Tensor& output, const std::shared_ptr<Node>& node,
             std::initializer_list<const Tensor*> inputs);
 void run_backward(const Tensor& root);
+/// Backward from `root` seeded with `grad` (same shape as root).
+void run_backward(const Tensor& root, const Tensor& grad);
 }  // namespace autograd
 
 }  // namespace dtrain

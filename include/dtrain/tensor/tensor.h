@@ -20,6 +20,14 @@ std::string shape_str(const Shape& shape);
 int64_t shape_numel(const Shape& shape);
 Shape contiguous_strides(const Shape& shape);
 
+/// Bytes held by tensor storages in this process (all threads): now, and the most since the
+/// last reset_peak(). Pipeline stages measure their activation memory with them.
+namespace memory {
+int64_t live_bytes();
+int64_t peak_bytes();
+void reset_peak();
+}  // namespace memory
+
 /// A 64-byte aligned, uninitialised byte buffer.
 struct Storage {
   explicit Storage(size_t nbytes);
@@ -111,6 +119,9 @@ class Tensor {
   std::shared_ptr<Node> grad_fn() const;
   /// Runs reverse-mode differentiation from this scalar.
   void backward() const;
+  /// From a tensor of any shape, given d(loss)/d(this) (same shape): a pipeline stage's
+  /// backward from the gradient the next stage sent.
+  void backward(const Tensor& grad) const;
   /// Fires after this leaf's gradient is final for the current backward pass.
   void register_grad_ready_hook(GradReadyHook hook);
 
