@@ -22,10 +22,10 @@
 //   loss(model->forward(x), y).backward(); opt.step(); opt.zero_grad();
 // Checkpoints and comparisons rebuild full tensors with gather_shards(param, specs[name], tp).
 //
-// Dropout: the block's Dropout module is kept ("drop") and applied, as in nn::TransformerBlock,
-// to the replicated outputs of the two regions. Every rank's generator starts from the same
-// seed and draws the same number of values, so masks agree across ranks; no match with a
-// single-process run is promised for dropout > 0 (tests use 0).
+// Dropout: the block's own Dropout module (and its generator) is kept as "drop" and applied, as
+// in nn::TransformerBlock, to the replicated outputs of the two regions, so every rank draws the
+// same masks as the single process (tested at p = 0.2). This holds while dropout runs only on
+// replicated tensors; a dropout inside a parallel region would need per-rank generators.
 #pragma once
 
 #include <cstdint>
