@@ -40,6 +40,12 @@ void Module::zero_grad() {
   for (auto& [name, t] : named_parameters()) t.zero_grad();
 }
 
+void Module::replace_module(size_t i, std::shared_ptr<Module> module) {
+  DT_CHECK(i < children_.size(), "nn", "replace_module: child {} of {}", i, children_.size());
+  DT_CHECK(module != nullptr, "nn", "replace_module: child {} ('{}') replaced by null", i, children_[i].first);
+  children_[i].second = std::move(module);
+}
+
 void Module::train(bool on) {
   training_ = on;
   for (auto& [name, child] : children_) child->train(on);
@@ -47,6 +53,12 @@ void Module::train(bool on) {
 
 void Sequential::add(const std::string& name, std::shared_ptr<Module> block) {
   blocks_.push_back(register_module(name, std::move(block)));
+}
+
+void Sequential::replace_block(size_t i, std::shared_ptr<Module> block) {
+  DT_CHECK(i < blocks_.size(), "nn", "replace_block: block {} of {}", i, blocks_.size());
+  replace_module(i, block);  // Sequential's children are exactly its blocks, in order
+  blocks_[i] = std::move(block);
 }
 
 Tensor Sequential::forward(const Tensor& x) { return forward_range(x, 0, blocks_.size()); }

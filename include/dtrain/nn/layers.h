@@ -82,6 +82,16 @@ class TransformerBlock : public Module {
   TransformerBlock(const GptConfig& cfg, int64_t layer, Generator& gen);
   Tensor forward(const Tensor& x) override;
 
+  // Sub-modules, for tensor parallelism (which rebuilds the block from them).
+  int64_t heads() const { return heads_; }
+  const std::shared_ptr<LayerNorm>& ln1() const { return ln1_; }
+  const std::shared_ptr<Linear>& qkv() const { return qkv_; }
+  const std::shared_ptr<Linear>& proj() const { return proj_; }
+  const std::shared_ptr<LayerNorm>& ln2() const { return ln2_; }
+  const std::shared_ptr<Linear>& fc() const { return fc_; }
+  const std::shared_ptr<Linear>& fc_proj() const { return fc_proj_; }
+  const std::shared_ptr<Dropout>& drop() const { return drop_; }
+
  private:
   int64_t heads_;
   std::shared_ptr<LayerNorm> ln1_, ln2_;

@@ -44,6 +44,8 @@ class Module {
     return module;
   }
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
+  /// Puts `module` in place of child i, keeping its name (and so the parameter names).
+  void replace_module(size_t i, std::shared_ptr<Module> module);
 
  private:
   void collect(const std::string& prefix, std::vector<NamedTensor>& out) const;
@@ -61,6 +63,9 @@ class Sequential : public Module {
   size_t num_blocks() const { return blocks_.size(); }
   const std::shared_ptr<Module>& block(size_t i) const { return blocks_.at(i); }
   const std::string& block_name(size_t i) const { return children().at(i).first; }
+  /// Replaces block i, keeping its name, so named_parameters() keeps the same names (tensor
+  /// parallelism swaps blocks for sharded ones this way).
+  void replace_block(size_t i, std::shared_ptr<Module> block);
   /// Forward through blocks [begin, end) only.
   Tensor forward_range(const Tensor& x, size_t begin, size_t end);
 
