@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -188,6 +189,99 @@ TEST_F(Cli, CorruptedModelFileIsRefused) {
 }  // namespace
 
 namespace {
+
+// Every parallel layout against one process on the same global batch (SGD: the only difference
+// is the order of float sums, so 1e-5 relative holds), and the figures each layout reports.
+TEST_F(Cli, ParallelLayoutsEqualOneProcess) {
+  const std::string gpt = "train --model gpt --data text:" + corpus() +
+                          " --layers 2 --heads 4 --width 32 --seq-len 16 --batch-size 8 --steps 6 --optimizer sgd"
+                          " --lr 0.05 --progress=false --log-every 3";
+  ProcessResult one = dtrain(gpt + " --save " + path("one.dtm") + " --metrics " + path("one.jsonl"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  const int64_t params = final_record("one.jsonl")["params"].get<int64_t>();
+  const std::vector<std::string> layouts = {"--pp 2 --micro-batches 4",
+                                            "--pp 4 --micro-batches 2 --schedule gpipe",
+                                            "--tp 2",
+                                            "--dp 2 --pp 2 --micro-batches 2",
+                                            "--tp 2 --pp 2 --micro-batches 2 --stages 0-1,2-3"};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const std::string name = "l" + std::to_string(i);
+    ProcessResult r = dtrain(gpt + " " + layouts[i] + " --save " + path(name + ".dtm") + " --metrics " +
+                             path(name + ".jsonl"), 300);
+    ASSERT_EQ(r.code, 0) << layouts[i] << ": " << r.output;
+    ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("one.dtm") + " " + path(name + ".dtm"));
+    EXPECT_EQ(d.code, 0) << layouts[i] << ": " << d.output;
+    nlohmann::json f = final_record(name + ".jsonl");
+    EXPECT_EQ(f["params"].get<int64_t>(), params) << layouts[i] << ": the saved model is not the whole model";
+    EXPECT_EQ(f["peak_rss_bytes_per_rank"].size(), static_cast<size_t>(f["world"].get<int>())) << layouts[i];
+    const int pp = f["pp"].get<int>();
+    if (pp > 1) {
+      ASSERT_EQ(f["stage_bubble"].size(), static_cast<size_t>(pp)) << layouts[i];
+      for (const auto& b : f["stage_bubble"]) {
+        EXPECT_GE(b.get<double>(), 0.0);
+        EXPECT_LT(b.get<double>(), 1.0);
+      }
+      EXPECT_GT(f["stage_activation_peak_bytes"][0].get<int64_t>(), 0) << layouts[i];
+    }
+  }
+}
+
+// Activation memory: with 1f1b a stage holds at most P micro-batches, with gpipe all M.
+TEST_F(Cli, OneFOneBHoldsFewerActivationsThanGpipe) {
+  const std::string gpt = "train --model gpt --data text:" + corpus() +
+                          " --layers 2 --heads 4 --width 32 --seq-len 16 --batch-size 16 --steps 3 --pp 2"
+                          " --micro-batches 8 --progress=false";
+  std::map<std::string, nlohmann::json> f;
+  for (const std::string sched : {"gpipe", "1f1b"}) {
+    ProcessResult r = dtrain(gpt + " --schedule " + sched + " --metrics " + path(sched + ".jsonl"), 300);
+    ASSERT_EQ(r.code, 0) << r.output;
+    f[sched] = final_record(sched + ".jsonl");
+  }
+  EXPECT_EQ(f["gpipe"]["stage_max_in_flight"][0].get<int>(), 8);
+  EXPECT_EQ(f["1f1b"]["stage_max_in_flight"][0].get<int>(), 2);
+  EXPECT_EQ(f["1f1b"]["stage_max_in_flight"][1].get<int>(), 1);
+  const double ratio = f["1f1b"]["stage_activation_peak_bytes"][0].get<double>() /
+                       f["gpipe"]["stage_activation_peak_bytes"][0].get<double>();
+  EXPECT_LE(ratio, 2.0 / 8.0 * 1.1) << "1f1b should hold 2 of gpipe's 8 micro-batches";
+}
+
+TEST_F(Cli, ModelParallelMisconfigurationIsRefusedBeforeAnyWork) {
+  const std::string gpt = "train --model gpt --data text:" + corpus() + " --layers 2 --heads 4 --width 32 --seq-len 16";
+  const std::vector<BadInput> cases = {
+      {"more stages than blocks", gpt + " --pp 5", "--pp 5 stages but the gpt model has only 4 blocks"},
+      {"heads not divisible by tp", gpt + " --tp 3", "--heads 4 is not divisible by --tp 3"},
+      {"tensor parallel mlp", "train --model mlp --tp 2", "--model mlp has none"},
+      {"micro-batches not dividing the batch", gpt + " --batch-size 16 --pp 2 --micro-batches 3",
+       "is not divisible by --dp 1 x --accumulate 1 x --micro-batches 3"},
+      {"micro-batches without stages", gpt + " --micro-batches 4", "needs pipeline stages"},
+      {"unknown schedule", gpt + " --pp 2 --schedule zigzag", "expected gpipe or 1f1b"},
+      {"stages that skip a block", gpt + " --pp 2 --stages 0-1,3-3", "must start at block 2"},
+      {"stages not covering the model", gpt + " --pp 2 --stages 0-1,2-2", "the model has 4 blocks"},
+      {"world does not match the layout",
+       "launch -n 3 -- " + std::string(DTRAIN_BINARY) + " " + gpt + " --pp 2 --dp 2",
+       "= 4 ranks but the launcher started 3"},
+      {"model over the memory limit", gpt + " --memory-limit 100000", "but --memory-limit is"},
+  };
+  for (const auto& c : cases) {
+    ProcessResult r = dtrain(c.args, 60);
+    EXPECT_NE(r.code, 0) << c.name << ": " << r.output;
+    EXPECT_LT(r.code, 128) << c.name << " died by a signal: " << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.name << ": '" << c.expected << "' not in: " << r.output;
+    EXPECT_EQ(r.output.find("step 1"), std::string::npos) << c.name << ": training started: " << r.output;
+  }
+}
+
+// The seed's "model does not fit on one device": refused on one process, trains split in stages.
+TEST_F(Cli, AModelOverTheMemoryLimitTrainsWhenSplitIntoStages) {
+  const std::string gpt = "train --model gpt --data text:" + corpus() +
+                          " --layers 4 --heads 4 --width 32 --seq-len 16 --batch-size 8 --steps 2 --progress=false"
+                          " --memory-limit 600000";
+  ProcessResult one = dtrain(gpt);
+  EXPECT_NE(one.code, 0);
+  EXPECT_NE(one.output.find("split it with --pp or --tp"), std::string::npos) << one.output;
+  ProcessResult two = dtrain(gpt + " --pp 2 --micro-batches 2");
+  EXPECT_EQ(two.code, 0) << two.output;
+}
 
 TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
   ProcessResult r = dtrain("launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "

@@ -53,6 +53,14 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"zero", &c.zero, "ZeRO stage: 0 off, 1 shards optimizer state, 2 also gradients"},
       {"bucket-mb", &c.bucket_mb, "data parallel: gradient bucket size in MiB"},
       {"overlap", &c.overlap, "data parallel: start each bucket's all_reduce during backward (false: after)"},
+      {"pp", &c.pp, "pipeline stages: the model's blocks cut into this many stages, one per process"},
+      {"tp", &c.tp, "tensor-parallel ranks per stage (GPT: attention heads and MLP split, Megatron style)"},
+      {"micro-batches", &c.micro_batches, "pipeline: micro-batches per step (per accumulation step)"},
+      {"schedule", &c.schedule, "pipeline schedule: gpipe | 1f1b"},
+      {"stages", &c.stages, "pipeline: blocks per stage by hand, e.g. 0-2,3-5 (default: balanced by cost and memory)"},
+      {"recompute", &c.recompute, "pipeline: keep only stage inputs, recompute activations in backward"},
+      {"memory-limit", &c.memory_limit,
+       "bytes of parameters + gradients + optimizer state allowed per process (0 = no limit)"},
       {"trace", &c.trace, "write a Chrome/Perfetto trace (JSON) of forward, backward, communication, optimizer"},
       {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
       {"threads", &c.threads, "BLAS threads per process"},
@@ -116,6 +124,10 @@ void assign(const Target& target, const toml::node& node, const std::string& whe
 }
 
 }  // namespace
+
+int64_t model_blocks(const TrainConfig& c) {
+  return c.model == "gpt" ? c.layers + 2 : static_cast<int64_t>(c.hidden.size()) + 1;
+}
 
 void add_train_options(CLI::App& app, TrainConfig& cfg) {
   for (auto& spec : option_table(cfg)) {
@@ -196,10 +208,36 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.accumulate >= 1, "config", "--accumulate must be at least 1, got {}", c.accumulate);
   DT_CHECK(c.zero >= 0 && c.zero <= 2, "config", "--zero {}: expected 0, 1 or 2", c.zero);
   DT_CHECK(c.bucket_mb > 0.0, "config", "--bucket-mb must be positive, got {}", c.bucket_mb);
-  DT_CHECK(c.batch_size % (c.dp * c.accumulate) == 0, "config",
-           "--batch-size {} is not divisible by --dp {} x --accumulate {} = {}: every rank and micro-step must get "
-           "the same number of samples",
-           c.batch_size, c.dp, c.accumulate, c.dp * c.accumulate);
+  DT_CHECK(c.pp >= 1 && c.tp >= 1 && world_size(c) <= 256, "config",
+           "--dp {} x --pp {} x --tp {} = {} processes: each must be at least 1 and the product at most 256", c.dp, c.pp,
+           c.tp, world_size(c));
+  DT_CHECK(c.micro_batches >= 1, "config", "--micro-batches must be at least 1, got {}", c.micro_batches);
+  DT_CHECK(c.micro_batches == 1 || c.pp > 1, "config",
+           "--micro-batches {} needs pipeline stages (--pp 2 or more); without them use --accumulate",
+           c.micro_batches);
+  DT_CHECK(c.schedule == "gpipe" || c.schedule == "1f1b", "config", "--schedule '{}': expected gpipe or 1f1b",
+           c.schedule);
+  DT_CHECK(c.memory_limit >= 0, "config", "--memory-limit must be non-negative, got {}", c.memory_limit);
+  const int64_t per_step = c.dp * c.accumulate * c.micro_batches;
+  DT_CHECK(c.batch_size % per_step == 0, "config",
+           "--batch-size {} is not divisible by --dp {} x --accumulate {} x --micro-batches {} = {}: every rank and "
+           "micro-batch must get the same number of samples",
+           c.batch_size, c.dp, c.accumulate, c.micro_batches, per_step);
+  const int64_t blocks = model_blocks(c);
+  DT_CHECK(c.pp <= blocks, "config", "--pp {} stages but the {} model has only {} blocks to cut between", c.pp,
+           c.model, blocks);
+  if (c.tp > 1) {
+    DT_CHECK(gpt, "config", "--tp {}: tensor parallelism splits the GPT's attention and MLP; --model {} has none",
+             c.tp, c.model);
+    DT_CHECK(c.heads % c.tp == 0, "config", "--heads {} is not divisible by --tp {}: each rank takes whole heads",
+             c.heads, c.tp);
+    DT_CHECK((4 * c.width) % c.tp == 0 && c.width % c.tp == 0, "config",
+             "--width {} is not divisible by --tp {}", c.width, c.tp);
+  }
+  DT_CHECK(c.zero == 0 || c.dp > 1, "config", "--zero {} shards over data-parallel ranks: it needs --dp 2 or more",
+           c.zero);
+  DT_CHECK(c.clip_grad <= 0.0f || c.zero == 0 || (c.pp == 1 && c.tp == 1), "config",
+           "--clip-grad with --zero and --pp/--tp together is not supported yet");
   if (gpt) {
     DT_CHECK(c.layers > 0 && c.width > 0 && c.seq_len > 0 && c.heads > 0, "config",
              "--layers {}, --width {}, --seq-len {}, --heads {} must be positive", c.layers, c.width, c.seq_len,

@@ -12,6 +12,9 @@
 #include "dtrain/comm/group.h"
 #include "dtrain/core/log.h"
 #include "dtrain/parallel/ddp.h"
+#include "dtrain/parallel/mesh.h"
+#include "dtrain/parallel/pipeline.h"
+#include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/train/metrics.h"
@@ -21,9 +24,10 @@ namespace dtrain::train {
 
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<nn::Model> build_model(const TrainConfig& cfg) {
+std::shared_ptr<nn::Model> build_model(const TrainConfig& cfg, nn::BlockRange range) {
   if (cfg.model == "mlp") {
-    return std::make_shared<nn::Mlp>(data::FashionMnist::kPixels, cfg.hidden, data::FashionMnist::kClasses, cfg.seed);
+    return std::make_shared<nn::Mlp>(data::FashionMnist::kPixels, cfg.hidden, data::FashionMnist::kClasses, cfg.seed,
+                                     range);
   }
   nn::GptConfig g;
   g.layers = cfg.layers;
@@ -31,7 +35,7 @@ std::shared_ptr<nn::Model> build_model(const TrainConfig& cfg) {
   g.width = cfg.width;
   g.seq_len = cfg.seq_len;
   g.dropout = cfg.dropout;
-  return std::make_shared<nn::Gpt>(g, cfg.seed);
+  return std::make_shared<nn::Gpt>(g, cfg.seed, range);
 }
 
 std::unique_ptr<optim::Optimizer> build_optimizer(const TrainConfig& cfg, std::vector<Tensor> params) {
@@ -72,7 +76,8 @@ DataSource build_data(const TrainConfig& cfg) {
   return src;
 }
 
-double evaluate(nn::Model& model, const data::Dataset& eval, int64_t batch_size, int64_t max_batches) {
+double evaluate(nn::Model& model, const data::Dataset& eval, int64_t batch_size, int64_t max_batches,
+                const std::function<Tensor(const Tensor&)>& forward) {
   NoGradGuard no_grad;
   model.train(false);
   const int64_t n = eval.size();
@@ -85,7 +90,8 @@ double evaluate(nn::Model& model, const data::Dataset& eval, int64_t batch_size,
     std::vector<int64_t> idx;
     for (int64_t i = b * batch_size; i < std::min(n, (b + 1) * batch_size); ++i) idx.push_back(i);
     data::Batch batch = eval.get(idx);
-    Tensor out = model.forward(batch.x);
+    Tensor out = forward ? forward(batch.x) : model.forward(batch.x);
+    if (!out.defined()) continue;
     if (classify) {
       const std::vector<float> logits = out.to_vector();
       const std::vector<float> y = batch.y.to_vector();
@@ -181,39 +187,140 @@ void write_trace(const Trace& trace, const std::string& path, comm::Group* group
 
 }  // namespace
 
+namespace {
+
+// Bytes of parameters, gradients and optimizer state one process will hold, from the stage's
+// parameter count and the layout (before any gradient or state exists).
+struct StateEstimate {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t total() const { return params + grads + optimizer; }
+};
+
+StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
+  StateEstimate e;
+  e.params = 4 * local_params;
+  e.grads = cfg.zero == 2 ? e.params / cfg.dp : e.params;
+  const int64_t copies = cfg.optimizer == "adamw" ? 2 : (cfg.momentum != 0.0f ? 1 : 0);
+  e.optimizer = copies * e.params / (cfg.zero >= 1 ? cfg.dp : 1);
+  return e;
+}
+
+std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
+
+// Rank 0 of `world` gets the whole model's parameters, in the single-process order, from the
+// stages (dp 0, tp 0) and the tensor-parallel shards (already gathered by `gather_tp`).
+std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> local, parallel::Mesh& mesh) {
+  const parallel::MeshShape& shape = mesh.shape();
+  const parallel::MeshCoord c = mesh.coord();
+  comm::Group& world = mesh.world();
+  if (shape.pp == 1) return local;
+  if (c.dp != 0 || c.tp != 0) return {};
+  if (c.pp != 0) {
+    nlohmann::json header = nlohmann::json::array();
+    for (const auto& [name, t] : local) header.push_back({{"name", name}, {"shape", t.shape()}});
+    const std::string text = header.dump();
+    const int64_t n = static_cast<int64_t>(text.size());
+    world.send(&n, 1, comm::DataType::i64, 0, 7);
+    world.send(text.data(), text.size(), comm::DataType::u8, 0, 7);
+    for (const auto& [name, t] : local) {
+      Tensor d = t.contiguous();
+      world.send(d.data(), static_cast<size_t>(d.numel()), comm::DataType::f32, 0, 7);
+    }
+    return {};
+  }
+  for (int s = 1; s < shape.pp; ++s) {
+    const int from = parallel::mesh_rank(shape, {0, s, 0});
+    int64_t n = 0;
+    world.recv(&n, 1, comm::DataType::i64, from, 7);
+    DT_CHECK(n > 0 && n < (int64_t{1} << 30), "train", "stage {} sent a parameter list of {} bytes", s, n);
+    std::string text(static_cast<size_t>(n), '\0');
+    world.recv(text.data(), text.size(), comm::DataType::u8, from, 7);
+    const nlohmann::json header = nlohmann::json::parse(text, nullptr, false);
+    DT_CHECK(header.is_array(), "train", "stage {} sent an unreadable parameter list", s);
+    for (const auto& e : header) {
+      Tensor t = Tensor::empty(e.at("shape").get<Shape>());
+      world.recv(t.data(), static_cast<size_t>(t.numel()), comm::DataType::f32, from, 7);
+      local.emplace_back(e.at("name").get<std::string>(), t);
+    }
+  }
+  return local;
+}
+
+// Per-rank figures every rank contributes to the final record.
+struct RankFigures {
+  double bubble = 0.0, step_s = 0.0, busy_s = 0.0;
+  double activation_peak_bytes = 0.0, peak_bytes = 0.0, max_in_flight = 0.0;
+  double peak_rss = 0.0, state_bytes = 0.0;
+};
+
+}  // namespace
+
 TrainResult run_training(const TrainConfig& cfg) {
   set_num_threads(cfg.threads);
   const auto origin = Clock::now();
-  // Data parallel: join the world the launcher started.
+  const int world = world_size(cfg);
+  // Parallel: join the world the launcher started and split it into the mesh's axes.
   std::unique_ptr<comm::Group> group;
-  int rank = 0, world = 1;
-  if (cfg.dp > 1) {
+  std::unique_ptr<parallel::Mesh> mesh;
+  parallel::MeshCoord coord;
+  int rank = 0;
+  if (world > 1) {
     group = std::make_unique<comm::Group>(comm::Group::from_env());
+    DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the launcher started {} (WORLD_SIZE)",
+             cfg.dp, cfg.pp, cfg.tp, world, group->size());
+    mesh = std::make_unique<parallel::Mesh>(*group, parallel::MeshShape{cfg.dp, cfg.pp, cfg.tp});
+    coord = mesh->coord();
     rank = group->rank();
-    world = group->size();
-    DT_CHECK(world == cfg.dp, "train", "--dp {} but the launcher started {} ranks (WORLD_SIZE)", cfg.dp, world);
   }
   const bool lead = rank == 0;
+  const bool pipelined = cfg.pp > 1;
   DataSource src = build_data(cfg);
-  auto model = build_model(cfg);
+
+  // This rank's stage of the model.
+  std::vector<nn::BlockRange> stages{nn::BlockRange{}};
+  if (pipelined) {
+    auto probe = build_model(cfg, nn::BlockRange{0, 1});
+    stages = cfg.stages.empty() ? parallel::balance_stages(probe->block_flops(), probe->block_params(), cfg.pp)
+                                : parallel::parse_stages(cfg.stages, probe->block_flops().size(), cfg.pp);
+  }
+  auto model = build_model(cfg, stages[static_cast<size_t>(coord.pp)]);
+  std::map<std::string, parallel::ShardSpec> shard_specs;
+  if (cfg.tp > 1) shard_specs = parallel::tensor_parallelize(*model, mesh->tp(), cfg.heads);
+  const StateEstimate need = estimate_state(cfg, model->num_parameters());
+  if (cfg.memory_limit > 0 && need.total() > cfg.memory_limit) {
+    DT_THROW("train", "the model needs {} per process ({} parameters: {} of parameters, {} of "
+                                     "gradients, {} of {} state) but --memory-limit is {}; split it with --pp or --tp "
+                                     "(or shard the optimizer with --dp and --zero)",
+                                     mib(need.total()), model->num_parameters(), mib(need.params), mib(need.grads),
+                                     mib(need.optimizer), cfg.optimizer, mib(cfg.memory_limit));
+  }
   std::unique_ptr<parallel::DataParallel> ddp;
-  if (group) {
+  if (cfg.dp > 1) {
     parallel::DdpOptions o;
     o.bucket_bytes = static_cast<size_t>(cfg.bucket_mb * 1024 * 1024);
     o.zero = cfg.zero;
     o.overlap = cfg.overlap;
     o.record_events = true;
-    ddp = std::make_unique<parallel::DataParallel>(model->named_parameters(), *group, o);
+    ddp = std::make_unique<parallel::DataParallel>(model->named_parameters(), mesh->dp(), o);
     ddp->broadcast_parameters();
-  } else {
-    DT_CHECK(cfg.zero == 0, "train", "--zero {} needs data parallelism (--dp 2 or more)", cfg.zero);
+  }
+  std::unique_ptr<parallel::Pipeline> pipe;
+  if (pipelined) {
+    parallel::PipelineOptions po;
+    po.schedule = parallel::parse_schedule(cfg.schedule);
+    po.micro_batches = static_cast<int>(cfg.micro_batches);
+    po.recompute = cfg.recompute;
+    pipe = std::make_unique<parallel::Pipeline>(*model, mesh->pp(), po);
   }
   auto optimizer = build_optimizer(cfg, ddp ? ddp->optimizer_params() : model->parameters());
   const int64_t batch = cfg.batch_size;
-  const int64_t micro = batch / (world * cfg.accumulate);
-  // Every rank walks the same shuffled order; step s uses samples [s*B, (s+1)*B) of it, and
-  // rank r's micro-step m takes the slice (m * world + r) of that global batch: the union is
-  // the single-process batch, so the averaged gradient is the same.
+  const int64_t M = cfg.micro_batches;
+  const int64_t micro_steps = cfg.accumulate * M;  // micro-batches per rank per optimizer step
+  const int64_t micro = batch / (cfg.dp * micro_steps);
+  // Every rank walks the same shuffled order; step s uses samples [s*B, (s+1)*B) of it, and the
+  // data-parallel replica d's micro-batch k takes the slice (k * dp + d) of that global batch:
+  // the union is the single-process batch, so the averaged gradient is the same. Stages and
+  // tensor-parallel ranks of one replica read the same slices.
   data::ShardedSampler sampler(src.train->size(), 0, 1, cfg.seed, /*shuffle=*/true);
   const int64_t steps_per_epoch = sampler.per_rank() / batch;
   DT_CHECK(steps_per_epoch > 0, "train", "--batch-size {} is larger than the training set ({} samples)", batch,
@@ -224,12 +331,22 @@ TrainResult run_training(const TrainConfig& cfg) {
 
   const bool text = src.tokens_per_sample > 0;
   const char* unit = text ? "tok" : "samples";
+  // The ranks whose losses count: the last stage's, one per tensor-parallel group.
+  const bool holds_loss = coord.pp == cfg.pp - 1 && coord.tp == 0;
   if (lead) {
-    DT_LOG_INFO("training {} ({} parameters) on {} ({} samples), {} steps of batch {}, {} per epoch{}", cfg.model,
-                model->num_parameters(), cfg.data, src.train->size(), total_steps, batch, steps_per_epoch,
-                world > 1 ? fmt::format(", {} data-parallel ranks x {} per micro-step, {} buckets{}", world, micro,
-                                        ddp->num_buckets(), cfg.zero ? fmt::format(", ZeRO-{}", cfg.zero) : "")
-                          : std::string());
+    std::string layout;
+    if (world > 1) {
+      layout = fmt::format(", {} ranks ({}), {} per micro-batch", world, mesh->shape().str(), micro);
+      if (ddp) layout += fmt::format(", {} buckets{}", ddp->num_buckets(), cfg.zero ? fmt::format(", ZeRO-{}", cfg.zero) : "");
+      if (pipelined) {
+        std::vector<std::string> cuts;
+        for (const auto& r : stages) cuts.push_back(fmt::format("{}-{}", r.begin, r.end - 1));
+        layout += fmt::format(", stages {}, {} x {} micro-batches", fmt::join(cuts, ","), cfg.schedule, M);
+      }
+    }
+    DT_LOG_INFO("training {} ({} parameters on this rank) on {} ({} samples), {} steps of batch {}, {} per epoch{}",
+                cfg.model, model->num_parameters(), cfg.data, src.train->size(), total_steps, batch, steps_per_epoch,
+                layout);
   }
   MetricsWriter metrics = cfg.metrics.empty() || !lead ? MetricsWriter() : MetricsWriter(cfg.metrics);
   Progress progress(total_steps, cfg.log_every, cfg.progress && lead);
@@ -241,6 +358,8 @@ TrainResult run_training(const TrainConfig& cfg) {
   int64_t interval_steps = 0;
   std::vector<int64_t> epoch_indices;
   int64_t epoch = -1;
+  RankFigures fig;
+  int64_t stat_steps = 0;
   for (int64_t step = 0; step < total_steps; ++step) {
     const int64_t e = step / steps_per_epoch;
     if (e != epoch) {
@@ -248,25 +367,54 @@ TrainResult run_training(const TrainConfig& cfg) {
       epoch_indices = sampler.indices(epoch);
     }
     const int64_t pos = (step % steps_per_epoch) * batch;
+    auto micro_batch = [&](int64_t k) {
+      const int64_t at = pos + (k * cfg.dp + coord.dp) * micro;
+      std::vector<int64_t> idx(epoch_indices.begin() + at, epoch_indices.begin() + at + micro);
+      return src.train->get(idx);
+    };
     const auto t0 = Clock::now();
     optimizer->set_lr(sched.at(step));
-    float step_loss = 0.0f;
-    for (int64_t m = 0; m < cfg.accumulate; ++m) {
+    double step_loss = 0.0;
+    for (int64_t a = 0; a < cfg.accumulate; ++a) {
+      const bool sync = a == cfg.accumulate - 1;
+      if (pipe) {
+        parallel::StageStats st;
+        step_loss += pipe->train_step(
+            [&](int m) {
+              data::Batch b = micro_batch(a * M + m);
+              return std::make_pair(b.x, b.y);
+            },
+            1.0f / static_cast<float>(micro_steps), [&](bool last) { if (ddp) ddp->set_sync(sync && last); }, &st);
+        compute_time += st.busy_s;
+        for (const parallel::PipeSpan& sp : st.spans) {
+          trace.span(sp.forward ? "forward" : "backward", static_cast<int>(a * M + sp.micro), 0, sp.start, sp.end,
+                     step + 1);
+        }
+        // The first step also agrees shapes and warms up allocations: left out of the figures.
+        if (step > 0 || total_steps == 1) {
+          fig.step_s += st.step_s;
+          fig.busy_s += st.busy_s;
+          fig.activation_peak_bytes = std::max(fig.activation_peak_bytes, static_cast<double>(st.activation_peak_bytes));
+          fig.peak_bytes = std::max(fig.peak_bytes, static_cast<double>(st.peak_bytes));
+          fig.max_in_flight = std::max(fig.max_in_flight, static_cast<double>(st.max_in_flight));
+          ++stat_steps;
+        }
+        continue;
+      }
       const auto tm = Clock::now();
-      const int64_t at = pos + (m * world + rank) * micro;
-      std::vector<int64_t> idx(epoch_indices.begin() + at, epoch_indices.begin() + at + micro);
-      data::Batch b = src.train->get(idx);
-      if (ddp) ddp->set_sync(m == cfg.accumulate - 1);
+      data::Batch b = micro_batch(a);
+      if (ddp) ddp->set_sync(sync);
       Tensor loss = model->loss(model->forward(b.x), b.y);
       const auto tf = Clock::now();
-      step_loss += loss.item() / static_cast<float>(cfg.accumulate);
+      step_loss += static_cast<double>(loss.item());
       if (cfg.accumulate > 1) loss = loss * (1.0f / static_cast<float>(cfg.accumulate));
       loss.backward();
       const auto tb = Clock::now();
-      trace.span("forward", cfg.accumulate > 1 ? static_cast<int>(m) : -1, 0, tm, tf, step + 1);
-      trace.span("backward", cfg.accumulate > 1 ? static_cast<int>(m) : -1, 0, tf, tb, step + 1);
+      trace.span("forward", cfg.accumulate > 1 ? static_cast<int>(a) : -1, 0, tm, tf, step + 1);
+      trace.span("backward", cfg.accumulate > 1 ? static_cast<int>(a) : -1, 0, tf, tb, step + 1);
       compute_time += seconds_since(tm, tb);
     }
+    step_loss /= static_cast<double>(micro_steps);
     const auto ts = Clock::now();
     if (ddp) {
       ddp->synchronize();
@@ -278,10 +426,32 @@ TrainResult run_training(const TrainConfig& cfg) {
     const auto to = Clock::now();
     wait_time += seconds_since(ts, to);
     if (cfg.clip_grad > 0.0f) {
-      if (ddp) {
-        ddp->clip_grad_norm(cfg.clip_grad);
+      if (world == cfg.dp) {
+        if (ddp) {
+          ddp->clip_grad_norm(cfg.clip_grad);
+        } else {
+          optim::clip_grad_norm(optimizer->params(), cfg.clip_grad);
+        }
       } else {
-        optim::clip_grad_norm(optimizer->params(), cfg.clip_grad);
+        // Stages and shards hold different gradients: the norm is summed over the mesh, each
+        // replicated tensor-parallel parameter counted once, each data-parallel replica once.
+        double sq = 0.0;
+        for (const auto& [name, p] : model->named_parameters()) {
+          auto it = shard_specs.find(name);
+          const bool counted = coord.tp == 0 || (it != shard_specs.end() && it->second.dim >= 0);
+          if (!counted || !p.grad().defined()) continue;
+          for (float g : p.grad().to_vector()) sq += static_cast<double>(g) * g;
+        }
+        sq /= cfg.dp;
+        group->all_reduce(&sq, &sq, 1, comm::DataType::f64, comm::ReduceOp::sum);
+        const double norm = std::sqrt(sq);
+        if (norm > cfg.clip_grad) {
+          const float scale = static_cast<float>(cfg.clip_grad / (norm + 1e-6));
+          NoGradGuard no_grad;
+          for (Tensor p : optimizer->params()) {
+            if (p.grad().defined()) p.grad().copy_from(p.grad() * scale);
+          }
+        }
       }
     }
     optimizer->step();
@@ -302,7 +472,11 @@ TrainResult run_training(const TrainConfig& cfg) {
     const double rate = text ? samples * static_cast<double>(src.tokens_per_sample) / train_time : samples / train_time;
     if ((step + 1) % cfg.log_every == 0 || step + 1 == total_steps) {
       double mean = interval_loss / static_cast<double>(interval_steps);
-      if (group) group->all_reduce(&mean, &mean, 1, comm::DataType::f64, comm::ReduceOp::avg);
+      if (group) {
+        // The loss lives on the last stage: average over its data-parallel replicas.
+        mean = holds_loss ? mean / cfg.dp : 0.0;
+        group->all_reduce(&mean, &mean, 1, comm::DataType::f64, comm::ReduceOp::sum);
+      }
       result.final_loss = mean;
       metrics.write({{"event", "log"},
                      {"step", step + 1},
@@ -313,7 +487,7 @@ TrainResult run_training(const TrainConfig& cfg) {
       interval_loss = 0.0;
       interval_steps = 0;
     }
-    if (lead) progress.update(step + 1, epoch + 1, step_loss, optimizer->lr(), rate, unit);
+    if (lead) progress.update(step + 1, epoch + 1, holds_loss ? step_loss : result.final_loss, optimizer->lr(), rate, unit);
   }
   if (lead) progress.finish();
 
@@ -322,34 +496,35 @@ TrainResult run_training(const TrainConfig& cfg) {
   result.train_time_s = train_time;
   result.samples_per_s = static_cast<double>(total_steps * batch) / train_time;
   result.tokens_per_s = result.samples_per_s * static_cast<double>(src.tokens_per_sample);
+  // The whole model's FLOPs (a stage knows its model's full configuration).
   result.model_flops_per_s =
       3.0 * model->flops_per_sample() * (text ? result.tokens_per_s : result.samples_per_s);
   if (!cfg.trace.empty()) write_trace(trace, cfg.trace, group.get(), rank, world);
-  result.params_digest = params_digest(model->named_parameters());
-  result.peak_rss = peak_rss_bytes();
   nlohmann::json final_record{{"event", "final"},
                               {"model", cfg.model},
                               {"steps", result.steps},
                               {"epochs", result.epochs_started},
                               {"batch_size", batch},
                               {"world", world},
+                              {"dp", cfg.dp},
+                              {"pp", cfg.pp},
+                              {"tp", cfg.tp},
                               {"accumulate", cfg.accumulate},
                               {"train_loss", result.final_loss},
                               {"train_time_s", result.train_time_s},
                               {"samples_per_s", result.samples_per_s},
-                              {"model_flops_per_s", result.model_flops_per_s},
-                              {"params", model->num_parameters()},
-                              {"params_digest", result.params_digest}};
+                              {"model_flops_per_s", result.model_flops_per_s}};
   if (ddp) {
-    // Digests of every rank: identical parameters everywhere is the contract.
-    std::vector<std::string> digests(static_cast<size_t>(world));
-    std::vector<char> mine(64, 0), all(64 * static_cast<size_t>(world));
-    std::memcpy(mine.data(), result.params_digest.data(), std::min<size_t>(64, result.params_digest.size()));
-    group->all_gather(mine.data(), all.data(), 64, comm::DataType::u8);
-    for (int r = 0; r < world; ++r) {
+    // Replicas of one stage and shard must hold identical parameters: that is the contract.
+    const std::string digest = params_digest(model->named_parameters());
+    std::vector<char> mine(64, 0), all(64 * static_cast<size_t>(cfg.dp));
+    std::memcpy(mine.data(), digest.data(), std::min<size_t>(64, digest.size()));
+    mesh->dp().all_gather(mine.data(), all.data(), 64, comm::DataType::u8);
+    for (int r = 0; r < cfg.dp; ++r) {
       const std::string d(all.data() + 64 * r, 64);
-      DT_CHECK(d == std::string(mine.data(), 64), "train", "rank {} ended with parameters {} but rank {} with {}", r,
-               d, rank, result.params_digest);
+      DT_CHECK(d == std::string(mine.data(), 64), "train",
+               "data-parallel replica {} ended with parameters {} but replica {} with {} (stage {}, shard {})", r, d,
+               coord.dp, digest, coord.pp, coord.tp);
     }
     const parallel::MemoryReport mem = ddp->memory(*optimizer);
     final_record["param_bytes_per_rank"] = mem.param_bytes;
@@ -357,22 +532,86 @@ TrainResult run_training(const TrainConfig& cfg) {
     final_record["optimizer_bytes_per_rank"] = mem.optimizer_bytes;
     final_record["zero"] = cfg.zero;
     final_record["buckets"] = ddp->num_buckets();
-    final_record["compute_s"] = compute_time;
     final_record["comm_s"] = comm_time;
     final_record["sync_wait_s"] = wait_time;
     // overlap = (T_compute + T_comm - T_step) / T_comm, with T_step the compute plus the wait
     // for the buckets (the optimizer is excluded from both sides).
     final_record["overlap"] = comm_time > 0 ? (compute_time + comm_time - (compute_time + wait_time)) / comm_time : 0.0;
   }
-  if (lead) {
-    if (text) {
-      result.val_loss = evaluate(*model, *src.eval, batch, cfg.eval_batches);
-    } else {
-      result.test_accuracy = evaluate(*model, *src.eval, 1000, 0);
+  final_record["compute_s"] = compute_time;
+  // The whole model on rank 0, in the single-process order and names: digest and --save.
+  std::vector<nn::NamedTensor> full = model->named_parameters();
+  if (cfg.tp > 1) {
+    for (auto& [name, t] : full) {
+      auto it = shard_specs.find(name);
+      if (it != shard_specs.end() && it->second.dim >= 0) t = parallel::gather_shards(t, it->second, mesh->tp());
     }
+  }
+  if (mesh) full = gather_full_model(std::move(full), *mesh);
+  if (lead) {
+    result.params_digest = params_digest(full);
+    final_record["params"] = 0;
+    int64_t n = 0;
+    for (const auto& [name, t] : full) n += t.numel();
+    final_record["params"] = n;
+    final_record["params_digest"] = result.params_digest;
+  }
+
+  // Evaluation: the first data-parallel replica's ranks run forward; the last stage's first
+  // shard computes the figure and hands it to rank 0.
+  double eval_value = 0.0;
+  if (coord.dp == 0) {
+    std::function<Tensor(const Tensor&)> forward;
+    if (pipe) forward = [&](const Tensor& x) { return pipe->forward_only(x); };
+    eval_value = text ? evaluate(*model, *src.eval, batch, cfg.eval_batches, forward)
+                      : evaluate(*model, *src.eval, 1000, 0, forward);
+    const int holder = mesh ? parallel::mesh_rank(mesh->shape(), {0, cfg.pp - 1, 0}) : 0;
+    if (holder != 0) {
+      if (rank == holder) group->send(&eval_value, 1, comm::DataType::f64, 0, 8);
+      if (lead) group->recv(&eval_value, 1, comm::DataType::f64, holder, 8);
+    }
+  }
+  if (text) {
+    result.val_loss = eval_value;
+  } else {
+    result.test_accuracy = eval_value;
   }
   result.peak_rss = peak_rss_bytes();
   final_record["peak_rss_bytes"] = result.peak_rss;
+  final_record["state_bytes_per_rank"] = need.total();
+  if (group) {
+    // Per-rank figures: stage bubbles and memory, everyone's peak RSS.
+    fig.peak_rss = static_cast<double>(result.peak_rss);
+    fig.state_bytes = static_cast<double>(need.total());
+    if (stat_steps > 0) fig.bubble = fig.step_s > 0 ? std::max(0.0, 1.0 - fig.busy_s / fig.step_s) : 0.0;
+    constexpr size_t kFields = sizeof(RankFigures) / sizeof(double);
+    std::vector<double> all(kFields * static_cast<size_t>(world));
+    group->all_gather(&fig, all.data(), kFields, comm::DataType::f64);
+    auto at = [&](int r) { return reinterpret_cast<const RankFigures*>(all.data() + kFields * static_cast<size_t>(r)); };
+    nlohmann::json rss = nlohmann::json::array();
+    for (int r = 0; r < world; ++r) rss.push_back(static_cast<int64_t>(at(r)->peak_rss));
+    final_record["peak_rss_bytes_per_rank"] = rss;
+    if (pipelined) {
+      nlohmann::json bubble = nlohmann::json::array(), act = nlohmann::json::array(), peak = nlohmann::json::array(),
+                     inflight = nlohmann::json::array(), cuts = nlohmann::json::array();
+      for (int s = 0; s < cfg.pp; ++s) {
+        const RankFigures* f = at(parallel::mesh_rank(mesh->shape(), {0, s, 0}));
+        bubble.push_back(f->bubble);
+        act.push_back(static_cast<int64_t>(f->activation_peak_bytes));
+        peak.push_back(static_cast<int64_t>(f->peak_bytes));
+        inflight.push_back(static_cast<int64_t>(f->max_in_flight));
+        cuts.push_back({stages[static_cast<size_t>(s)].begin, stages[static_cast<size_t>(s)].end});
+      }
+      final_record["schedule"] = cfg.schedule;
+      final_record["micro_batches"] = M;
+      final_record["stages"] = cuts;
+      final_record["stage_bubble"] = bubble;
+      final_record["bubble_theory"] = static_cast<double>(cfg.pp - 1) / static_cast<double>(M + cfg.pp - 1);
+      final_record["stage_activation_peak_bytes"] = act;
+      final_record["stage_step_peak_bytes"] = peak;
+      final_record["stage_max_in_flight"] = inflight;
+    }
+  }
   if (text) {
     final_record["tokens_per_s"] = result.tokens_per_s;
     final_record["val_loss"] = result.val_loss;
@@ -380,7 +619,7 @@ TrainResult run_training(const TrainConfig& cfg) {
     final_record["test_accuracy"] = result.test_accuracy;
   }
   metrics.write(final_record);
-  if (!cfg.save.empty() && lead) save_model(cfg.save, ModelFile{model_metadata(cfg), model->named_parameters()});
+  if (!cfg.save.empty() && lead) save_model(cfg.save, ModelFile{model_metadata(cfg), full});
   return result;
 }
 

@@ -17,8 +17,10 @@ namespace dtrain::tools {
 
 int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   train::finalize(cfg);
-  // Not started by a launcher: start --dp copies of this very command.
-  if (cfg.dp > 1 && std::getenv("RANK") == nullptr) return launch_self(cfg.dp, argv, true);
+  // Not started by a launcher: start dp x pp x tp copies of this very command.
+  if (train::world_size(cfg) > 1 && std::getenv("RANK") == nullptr) {
+    return launch_self(train::world_size(cfg), argv, true);
+  }
   const bool lead = std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
   const train::TrainResult r = train::run_training(cfg);
   if (!lead) return 0;

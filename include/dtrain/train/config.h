@@ -43,6 +43,13 @@ struct TrainConfig {
   int zero = 0;               // ZeRO stage: 0, 1 (optimizer state sharded), 2 (also gradients)
   double bucket_mb = 25.0;    // gradient bucket size, MiB
   bool overlap = true;        // start bucket all_reduces during backward
+  int pp = 1;                 // pipeline stages
+  int tp = 1;                 // tensor-parallel ranks per stage
+  int64_t micro_batches = 1;  // pipeline micro-batches per accumulation step
+  std::string schedule = "1f1b";  // pipeline schedule: gpipe | 1f1b
+  std::string stages;         // blocks per stage by hand, "0-3,4-7" (empty: balanced)
+  bool recompute = false;     // pipeline: recompute activations in backward
+  int64_t memory_limit = 0;   // bytes of parameters + gradients + optimizer state per process (0: none)
   std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
   // run
   uint64_t seed = 0;
@@ -62,7 +69,12 @@ void add_train_options(CLI::App& app, TrainConfig& cfg);
 /// Reads cfg.config_file (TOML) into the fields whose flags were not given on the command
 /// line. Unknown keys and values of the wrong type are errors naming the file and key.
 void apply_config_file(CLI::App& app, TrainConfig& cfg);
-/// Fills model-dependent defaults (data set) and checks ranges; throws dtrain::Error.
+/// Fills model-dependent defaults (data set) and checks ranges and the parallel layout (before
+/// any process starts); throws dtrain::Error.
 void finalize(TrainConfig& cfg);
+/// Processes the run needs: dp x pp x tp.
+inline int world_size(const TrainConfig& cfg) { return cfg.dp * cfg.pp * cfg.tp; }
+/// Blocks of the configured model (the units pipeline stages are cut between).
+int64_t model_blocks(const TrainConfig& cfg);
 
 }  // namespace dtrain::train

@@ -2,6 +2,7 @@
 // exposed so that parallel trainers reuse them.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -12,7 +13,8 @@
 
 namespace dtrain::train {
 
-std::shared_ptr<nn::Model> build_model(const TrainConfig& cfg);
+/// The configured model, or only blocks `range` of it (a pipeline stage, same values).
+std::shared_ptr<nn::Model> build_model(const TrainConfig& cfg, nn::BlockRange range = {});
 std::unique_ptr<optim::Optimizer> build_optimizer(const TrainConfig& cfg, std::vector<Tensor> params);
 /// JSON text describing the model (kind and shape), stored in model files.
 std::string model_metadata(const TrainConfig& cfg);
@@ -40,8 +42,11 @@ struct TrainResult {
   std::string params_digest;
 };
 
-/// Evaluates: classification accuracy on `eval`, or mean validation loss on text.
-double evaluate(nn::Model& model, const data::Dataset& eval, int64_t batch_size, int64_t max_batches);
+/// Evaluates: classification accuracy on `eval`, or mean validation loss on text. `forward`
+/// replaces model.forward (a pipeline's forward_only: an undefined result means this rank does
+/// not hold the output, and its return value is then meaningless).
+double evaluate(nn::Model& model, const data::Dataset& eval, int64_t batch_size, int64_t max_batches,
+                const std::function<Tensor(const Tensor&)>& forward = nullptr);
 
 /// Trains one process end to end: progress, metrics, evaluation, --save.
 TrainResult run_training(const TrainConfig& cfg);
