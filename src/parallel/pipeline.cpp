@@ -68,31 +68,43 @@ std::vector<nn::BlockRange> balance_stages(const std::vector<double>& flops, con
     pf[i + 1] = pf[i] + flops[i] / std::max(total_f, 1e-30);
     pp[i + 1] = pp[i] + static_cast<double>(params[i]) / std::max(total_p, 1e-30);
   }
-  auto cost = [&](size_t a, size_t b) { return std::max(pf[b] - pf[a], pp[b] - pp[a]); };
-  // best[s][i]: the smallest largest-stage cost of blocks [0, i) in s stages; cut[s][i] its last cut.
-  const double inf = std::numeric_limits<double>::infinity();
+  // Smallest largest-stage share of `share` over contiguous cuts, with every stage's compute
+  // share at most `cap`; fills the cut points.
   const auto S = static_cast<size_t>(stages);
-  std::vector<std::vector<double>> best(S + 1, std::vector<double>(n + 1, inf));
-  std::vector<std::vector<size_t>> cut(S + 1, std::vector<size_t>(n + 1, 0));
-  best[0][0] = 0.0;
-  for (size_t s = 1; s <= S; ++s) {
-    for (size_t i = s; i <= n; ++i) {
-      for (size_t j = s - 1; j < i; ++j) {
-        const double c = std::max(best[s - 1][j], cost(j, i));
-        // Ties go to the later cut, which leaves the last stage (which also holds the loss) lighter.
-        if (c <= best[s][i]) {
-          best[s][i] = c;
-          cut[s][i] = j;
+  auto solve = [&](const std::vector<double>& share, double cap, std::vector<nn::BlockRange>* out) {
+    const double inf = std::numeric_limits<double>::infinity();
+    // best[s][i]: the smallest largest stage of blocks [0, i) in s stages; cut[s][i] its last cut.
+    std::vector<std::vector<double>> best(S + 1, std::vector<double>(n + 1, inf));
+    std::vector<std::vector<size_t>> cut(S + 1, std::vector<size_t>(n + 1, 0));
+    best[0][0] = 0.0;
+    for (size_t s = 1; s <= S; ++s) {
+      for (size_t i = s; i <= n; ++i) {
+        for (size_t j = s - 1; j < i; ++j) {
+          if (pf[i] - pf[j] > cap) continue;
+          const double c = std::max(best[s - 1][j], share[i] - share[j]);
+          // Ties go to the later cut, which leaves the last stage (which also holds the loss) lighter.
+          if (c <= best[s][i]) {
+            best[s][i] = c;
+            cut[s][i] = j;
+          }
         }
       }
     }
-  }
-  std::vector<nn::BlockRange> out(S);
-  size_t end = n;
-  for (size_t s = S; s >= 1; --s) {
-    out[s - 1] = {cut[s][end], end};
-    end = cut[s][end];
-  }
+    if (out != nullptr) {
+      out->assign(S, {});
+      size_t end = n;
+      for (size_t s = S; s >= 1; --s) {
+        (*out)[s - 1] = {cut[s][end], end};
+        end = cut[s][end];
+      }
+    }
+    return best[S][n];
+  };
+  // Compute first (it sets the pipeline's pace), then, among cuts within 1% of the best
+  // compute balance, the most even parameter memory.
+  const double compute = solve(pf, std::numeric_limits<double>::infinity(), nullptr);
+  std::vector<nn::BlockRange> out;
+  solve(pp, compute * 1.01 + 1e-12, &out);
   return out;
 }
 

@@ -44,7 +44,8 @@ struct PipeOp {
 std::vector<PipeOp> pipeline_schedule(Schedule schedule, int stages, int stage, int micro);
 
 /// Contiguous stages over blocks with the given forward FLOPs and parameter counts: the cut that
-/// minimises the largest stage's max(FLOP share, parameter share). Error when stages > blocks.
+/// minimises the largest stage's FLOPs and, among cuts within 1% of that, the largest stage's
+/// parameters. Error when stages > blocks.
 std::vector<nn::BlockRange> balance_stages(const std::vector<double>& flops, const std::vector<int64_t>& params,
                                            int stages);
 /// Stages by hand, "0-3,4-7" (inclusive block indices; "5" is one block): must cover all
