@@ -48,7 +48,7 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"warmup", &c.warmup, "linear warmup steps"},
       {"min-lr", &c.min_lr, "cosine schedule: final learning rate"},
       {"clip-grad", &c.clip_grad, "clip gradients to this global L2 norm (0 = off)"},
-      {"dp", &c.dp, "data-parallel ranks: starts this many local worker processes (alias -n)"},
+      {"dp", &c.dp, "data-parallel replicas; dtrain train starts dp x pp x tp local worker processes (alias -n)"},
       {"accumulate", &c.accumulate, "micro-steps per optimizer step; gradients sync only on the last"},
       {"zero", &c.zero, "ZeRO stage: 0 off, 1 shards optimizer state, 2 also gradients"},
       {"bucket-mb", &c.bucket_mb, "data parallel: gradient bucket size in MiB"},

@@ -41,6 +41,19 @@ struct CollBenchOptions {
   std::string json;
 };
 
+struct PipeBenchOptions {
+  int stages = 4;
+  int micro_batches = 8;
+  std::string schedule = "1f1b";
+  int64_t forward_us = 1000;   // one micro-batch's forward through one stage
+  int64_t backward_us = 2000;  // and its backward
+  int blocks_per_stage = 2;
+  int64_t payload = 65536;     // floats per activation and gradient message
+  int steps = 10;
+  int warmup = 2;
+  bool json = false;
+};
+
 /// `argv` is the whole command line: with --dp N > 1 it is relaunched on N local workers.
 int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv);
 int run_diff(const DiffOptions& opts);
@@ -50,5 +63,7 @@ int run_launch(const launch::LaunchOptions& opts);
 int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output);
 /// `argv` is the tool's whole command line (relaunched as is under dtrain launch).
 int run_bench_collectives(const CollBenchOptions& opts, const std::vector<std::string>& argv);
+/// The pipeline engine's bubble with balanced stages on an emulated device (bench_pipeline.cpp).
+int run_bench_pipeline(const PipeBenchOptions& opts, const std::vector<std::string>& argv);
 
 }  // namespace dtrain::tools

@@ -73,6 +73,22 @@ int main(int argc, char** argv) {
   colls->add_flag("--model", coll.model, "measure alpha/beta by ping-pong and print the cost model's time per row");
   colls->add_option("--json", coll.json, "write the results as JSON (rank 0)");
 
+  dtrain::tools::PipeBenchOptions pipe_opts;
+  CLI::App* pipe = bench->add_subcommand(
+      "pipeline", "pipeline bubble per stage with exactly balanced stages on an emulated device, vs (P-1)/(M+P-1)");
+  pipe->add_option("--stages,-n", pipe_opts.stages, "pipeline stages (processes)")->capture_default_str();
+  pipe->add_option("--micro-batches,-m", pipe_opts.micro_batches, "micro-batches per step")->capture_default_str();
+  pipe->add_option("--schedule", pipe_opts.schedule, "gpipe | 1f1b")->capture_default_str();
+  pipe->add_option("--forward-us", pipe_opts.forward_us, "device time of one micro-batch's forward per stage")
+      ->capture_default_str();
+  pipe->add_option("--backward-us", pipe_opts.backward_us, "device time of its backward per stage")->capture_default_str();
+  pipe->add_option("--blocks", pipe_opts.blocks_per_stage, "blocks per stage (the time is split among them)")
+      ->capture_default_str();
+  pipe->add_option("--payload", pipe_opts.payload, "floats per activation / gradient message")->capture_default_str();
+  pipe->add_option("--steps", pipe_opts.steps, "measured steps")->capture_default_str();
+  pipe->add_option("--warmup", pipe_opts.warmup, "unmeasured steps first")->capture_default_str();
+  pipe->add_flag("--json", pipe_opts.json, "also print the results as one JSON line");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -87,6 +103,7 @@ int main(int argc, char** argv) {
     if (launch->parsed()) return dtrain::tools::run_launch(launch_opts);
     if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
     if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
+    if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
     return 2;
