@@ -35,7 +35,7 @@ using std::chrono::microseconds;
 // the deadline, then yielding until it, so that a late wake-up does not stretch the stage.
 void device_wait(int64_t us) {
   const auto deadline = std::chrono::steady_clock::now() + microseconds(us);
-  std::this_thread::sleep_until(deadline - microseconds(std::min<int64_t>(us, 300)));
+  std::this_thread::sleep_until(deadline - microseconds(std::min<int64_t>(us, 150)));
   while (std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
 }
 
@@ -97,8 +97,8 @@ int worker(const PipeBenchOptions& o) {
   parallel::Pipeline pipe(stage, pp, po);
   auto micro = [&](int) { return std::make_pair(Tensor::ones({o.payload}), Tensor()); };
   double step = 0.0, busy = 0.0;
+  parallel::StageStats st;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
-    parallel::StageStats st;
     pipe.train_step(micro, 1.0f / static_cast<float>(o.micro_batches), nullptr, &st);
     stage.zero_grad();
     if (s >= o.warmup) {
@@ -108,6 +108,44 @@ int worker(const PipeBenchOptions& o) {
   }
   std::vector<double> mine{step, busy}, all(2 * static_cast<size_t>(P));
   pp.all_gather(mine.data(), all.data(), 2, comm::DataType::f64);
+  // Hand-off latency in the last step: from the end of an op on one stage to the start of the
+  // op it feeds on the neighbour (F(m) on s -> F(m) on s+1, B(m) on s+1 -> B(m) on s), counted
+  // only where the neighbour was idle waiting for it. Clocks: CLOCK_MONOTONIC, one per host.
+  const size_t n_ops = 2 * static_cast<size_t>(o.micro_batches);
+  std::vector<double> spans(4 * n_ops), all_spans(4 * n_ops * static_cast<size_t>(P));
+  for (size_t i = 0; i < st.spans.size() && i < n_ops; ++i) {
+    const auto& sp = st.spans[i];
+    spans[4 * i] = sp.forward ? 1.0 : 0.0;
+    spans[4 * i + 1] = sp.micro;
+    spans[4 * i + 2] = std::chrono::duration<double>(sp.start.time_since_epoch()).count();
+    spans[4 * i + 3] = std::chrono::duration<double>(sp.end.time_since_epoch()).count();
+  }
+  pp.all_gather(spans.data(), all_spans.data(), spans.size(), comm::DataType::f64);
+  std::vector<double> handoff;
+  auto op_of = [&](int rank, bool fwd, int m, double* start, double* end, double* prev_end) {
+    for (size_t i = 0; i < n_ops; ++i) {
+      const double* e = &all_spans[(static_cast<size_t>(rank) * n_ops + i) * 4];
+      if ((e[0] == 1.0) == fwd && static_cast<int>(e[1]) == m) {
+        *start = e[2];
+        *end = e[3];
+        *prev_end = i > 0 ? e[-1] : 0.0;
+        return;
+      }
+    }
+  };
+  for (int r = 0; r + 1 < P; ++r) {
+    for (int m = 0; m < o.micro_batches; ++m) {
+      double s0 = 0, e0 = 0, p0 = 0, s1 = 0, e1 = 0, p1 = 0;
+      op_of(r, true, m, &s0, &e0, &p0);
+      op_of(r + 1, true, m, &s1, &e1, &p1);
+      if (p1 < e0) handoff.push_back(s1 - e0);
+      op_of(r + 1, false, m, &s1, &e1, &p1);
+      op_of(r, false, m, &s0, &e0, &p0);
+      if (p0 < e1) handoff.push_back(s0 - e1);
+    }
+  }
+  std::sort(handoff.begin(), handoff.end());
+  const double handoff_us = handoff.empty() ? 0.0 : handoff[handoff.size() / 2] * 1e6;
   if (pp.rank() == 0) {
     const double M = o.micro_batches;
     const double theory = (P - 1) / (M + P - 1);
@@ -129,6 +167,9 @@ int worker(const PipeBenchOptions& o) {
       std::printf("%6d %12.3f %12.3f %8.4f\n", r, st * 1e3, bu * 1e3, bubble);
     }
     doc["mean_bubble"] = mean;
+    doc["handoff_us_p50"] = handoff_us;
+    std::printf("# hand-off latency (op end -> dependent op start on a waiting neighbour), median of %zu: %.1f us\n",
+                handoff.size(), handoff_us);
     std::printf("# mean bubble %.4f, ideal (P-1)/(M+P-1) = %.4f, %+.1f%%\n", mean, theory, 100.0 * (mean - theory) / theory);
     if (o.json) std::printf("%s\n", doc.dump().c_str());
   }
