@@ -550,7 +550,6 @@ TrainResult run_training(const TrainConfig& cfg) {
   if (mesh) full = gather_full_model(std::move(full), *mesh);
   if (lead) {
     result.params_digest = params_digest(full);
-    final_record["params"] = 0;
     int64_t n = 0;
     for (const auto& [name, t] : full) n += t.numel();
     final_record["params"] = n;
