@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <string>
@@ -11,6 +12,13 @@
 #include "dtrain/comm/group.h"
 
 namespace dtrain::comm::test_util {
+
+// Options for tests: a timeout short enough that a hang fails the test soon.
+inline GroupOptions quick_options() {
+  GroupOptions o;
+  o.timeout = std::chrono::seconds(30);
+  return o;
+}
 
 // Runs fn(group) on `size` threads, each joining one new group through one in-memory store;
 // rethrows the first failure (in rank order) on the calling thread.

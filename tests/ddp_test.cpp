@@ -28,9 +28,7 @@ namespace {
 constexpr int64_t kIn = 24, kClasses = 5, kBatch = 24;  // 24: divisible by 1, 2, 3, 4 ranks x 2 micro-steps
 
 void run_ranks(int size, const std::function<void(comm::Group&)>& fn) {
-  comm::GroupOptions o;
-  o.timeout = std::chrono::seconds(30);
-  comm::test_util::run_ranks(size, fn, o);
+  comm::test_util::run_ranks(size, fn, comm::test_util::quick_options());
 }
 
 // A fixed data set: step s uses rows [s*kBatch, (s+1)*kBatch).

@@ -24,9 +24,7 @@ namespace dtrain::parallel {
 namespace {
 
 void run_ranks(int size, const std::function<void(comm::Group&)>& fn) {
-  comm::GroupOptions o;
-  o.timeout = std::chrono::seconds(30);
-  comm::test_util::run_ranks(size, fn, o);
+  comm::test_util::run_ranks(size, fn, comm::test_util::quick_options());
 }
 
 TEST(PipelineSchedule, EveryMicroBatchRunsForwardThenBackwardAndOneFOneBBoundsWhatIsInFlight) {
