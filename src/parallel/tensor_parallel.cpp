@@ -92,15 +92,15 @@ class ShardLinear : public nn::Module {
 };
 
 constexpr ShardSpec kReplicated{};
-constexpr ShardSpec kQkv{0, 3};      // rows [q | k | v], each split by heads
-constexpr ShardSpec kColumn{0, 1};   // output features (weight rows, bias)
-constexpr ShardSpec kRow{1, 1};      // input features (weight columns)
+constexpr ShardSpec kQkv{0, 3};     // rows [q | k | v], each split by heads
+constexpr ShardSpec kColumn{0, 1};  // output features (weight rows, bias)
+constexpr ShardSpec kRow{1, 1};     // input features (weight columns)
 
 // The specs of a tensor-parallel block's parameters, by name relative to the block.
 const std::map<std::string, ShardSpec>& block_specs() {
   static const std::map<std::string, ShardSpec> specs = {
-      {"qkv.weight", kQkv},    {"qkv.bias", kQkv},    {"proj.weight", kRow},
-      {"fc.weight", kColumn},  {"fc.bias", kColumn},  {"fc_proj.weight", kRow},
+      {"qkv.weight", kQkv},   {"qkv.bias", kQkv},   {"proj.weight", kRow},
+      {"fc.weight", kColumn}, {"fc.bias", kColumn}, {"fc_proj.weight", kRow},
   };
   return specs;
 }
