@@ -2,9 +2,10 @@
 // P - s micro-batches in flight with 1f1b), stage balancing and hand-written cuts, and stages as
 // threads over the real shm transport computing exactly the gradients of one process that runs
 // the same micro-batches (gpipe, 1f1b, recompute; 2 and 4 stages), and malformed peer messages.
-#include <gtest/gtest.h>
+#include "dtrain/parallel/pipeline.h"
 
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <map>
@@ -16,7 +17,6 @@
 #include "comm_test_util.h"
 #include "dtrain/core/error.h"
 #include "dtrain/parallel/mesh.h"
-#include "dtrain/parallel/pipeline.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/random.h"
 
@@ -168,8 +168,10 @@ TEST(Pipeline, StagesComputeExactlyTheGradientsOfOneProcessOnTheSameMicroBatches
     Schedule schedule;
     bool recompute;
   };
-  const std::vector<Case> cases = {{2, 4, Schedule::one_f_one_b, false}, {2, 4, Schedule::gpipe, false},
-                                   {4, 8, Schedule::one_f_one_b, false}, {4, 3, Schedule::gpipe, false},
+  const std::vector<Case> cases = {{2, 4, Schedule::one_f_one_b, false},
+                                   {2, 4, Schedule::gpipe, false},
+                                   {4, 8, Schedule::one_f_one_b, false},
+                                   {4, 3, Schedule::gpipe, false},
                                    {3, 5, Schedule::one_f_one_b, true}};
   for (const Case& c : cases) {
     SCOPED_TRACE(fmt::format("{} stages, {} micro-batches, {}{}", c.stages, c.micro, schedule_name(c.schedule),
@@ -187,10 +189,13 @@ TEST(Pipeline, StagesComputeExactlyTheGradientsOfOneProcessOnTheSameMicroBatches
       Pipeline pipe(stage, g, {c.schedule, c.micro, c.recompute});
       int backwards = 0, last_flag = 0;
       StageStats st;
-      const double loss = pipe.train_step(micro_batch, 1.0f / static_cast<float>(c.micro), [&](bool last) {
-        ++backwards;
-        last_flag += last ? backwards : 0;
-      }, &st);
+      const double loss = pipe.train_step(
+          micro_batch, 1.0f / static_cast<float>(c.micro),
+          [&](bool last) {
+            ++backwards;
+            last_flag += last ? backwards : 0;
+          },
+          &st);
       EXPECT_EQ(backwards, c.micro);
       EXPECT_EQ(last_flag, c.micro) << "only the final backward is flagged last";
       EXPECT_GT(st.busy_s, 0.0);
@@ -243,8 +248,7 @@ TEST(Pipeline, AMalformedActivationHeaderFromThePreviousStageIsAClearError) {
       pipe.forward_only(Tensor());
       FAIL() << "accepted a 99-dimensional activation";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("malformed activation header from stage 0"), std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find("malformed activation header from stage 0"), std::string::npos) << e.what();
     }
   });
 }

@@ -13,9 +13,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <thread>
-
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "commands.h"
 #include "dtrain/comm/group.h"
@@ -74,7 +73,8 @@ class EmulatedBlock : public nn::Module {
 class EmulatedModel : public nn::Model {
  public:
   EmulatedModel(int blocks, int64_t forward_us, int64_t backward_us) : blocks_(blocks) {
-    for (int i = 0; i < blocks; ++i) add("b" + std::to_string(i), std::make_shared<EmulatedBlock>(forward_us, backward_us));
+    for (int i = 0; i < blocks; ++i)
+      add("b" + std::to_string(i), std::make_shared<EmulatedBlock>(forward_us, backward_us));
   }
   Tensor loss(const Tensor& output, const Tensor& /*targets*/) const override { return ops::mean(output); }
   std::string kind() const override { return "emulated"; }
@@ -149,14 +149,19 @@ int worker(const PipeBenchOptions& o) {
   if (pp.rank() == 0) {
     const double M = o.micro_batches;
     const double theory = (P - 1) / (M + P - 1);
-    nlohmann::json doc{{"stages", P}, {"micro_batches", o.micro_batches}, {"schedule", o.schedule},
-                       {"forward_us", o.forward_us}, {"backward_us", o.backward_us}, {"payload", o.payload},
+    nlohmann::json doc{{"stages", P},
+                       {"micro_batches", o.micro_batches},
+                       {"schedule", o.schedule},
+                       {"forward_us", o.forward_us},
+                       {"backward_us", o.backward_us},
+                       {"payload", o.payload},
                        {"theory", theory}};
     double mean = 0.0;
-    std::printf("# %d stages, %d micro-batches, %s, stage forward %ld us + backward %ld us (emulated device), %ld "
-                "floats per message, %d steps\n",
-                P, o.micro_batches, o.schedule.c_str(), static_cast<long>(o.forward_us),
-                static_cast<long>(o.backward_us), static_cast<long>(o.payload), o.steps);
+    std::printf(
+        "# %d stages, %d micro-batches, %s, stage forward %ld us + backward %ld us (emulated device), %ld "
+        "floats per message, %d steps\n",
+        P, o.micro_batches, o.schedule.c_str(), static_cast<long>(o.forward_us), static_cast<long>(o.backward_us),
+        static_cast<long>(o.payload), o.steps);
     std::printf("%6s %12s %12s %8s\n", "stage", "step_ms", "compute_ms", "bubble");
     for (int r = 0; r < P; ++r) {
       const double st = all[2 * static_cast<size_t>(r)] / o.steps, bu = all[2 * static_cast<size_t>(r) + 1] / o.steps;
@@ -170,7 +175,8 @@ int worker(const PipeBenchOptions& o) {
     doc["handoff_us_p50"] = handoff_us;
     std::printf("# hand-off latency (op end -> dependent op start on a waiting neighbour), median of %zu: %.1f us\n",
                 handoff.size(), handoff_us);
-    std::printf("# mean bubble %.4f, ideal (P-1)/(M+P-1) = %.4f, %+.1f%%\n", mean, theory, 100.0 * (mean - theory) / theory);
+    std::printf("# mean bubble %.4f, ideal (P-1)/(M+P-1) = %.4f, %+.1f%%\n", mean, theory,
+                100.0 * (mean - theory) / theory);
     if (o.json) std::printf("%s\n", doc.dump().c_str());
   }
   pp.barrier();

@@ -67,12 +67,12 @@ struct PipeSpan {
 
 /// What one train_step did on this stage.
 struct StageStats {
-  double step_s = 0.0;   // wall time of the forwards and backwards, receives and sends
-  double busy_s = 0.0;   // in forward and backward compute
-  double bubble = 0.0;   // 1 - busy / step: the stage's idle fraction
-  int max_in_flight = 0;                 // most micro-batches whose activations were alive at once
-  int64_t activation_peak_bytes = 0;     // most bytes held by in-flight micro-batches at once
-  int64_t peak_bytes = 0;                // the allocator's peak during the step above its start
+  double step_s = 0.0;                // wall time of the forwards and backwards, receives and sends
+  double busy_s = 0.0;                // in forward and backward compute
+  double bubble = 0.0;                // 1 - busy / step: the stage's idle fraction
+  int max_in_flight = 0;              // most micro-batches whose activations were alive at once
+  int64_t activation_peak_bytes = 0;  // most bytes held by in-flight micro-batches at once
+  int64_t peak_bytes = 0;             // the allocator's peak during the step above its start
   std::vector<PipeSpan> spans;
 };
 
