@@ -127,6 +127,33 @@ TEST(Group, TimeoutNamesTheRankThatDidNotArriveAndBreaksTheGroup) {
   EXPECT_TRUE(rank0_raised);
 }
 
+// GroupOptions::spin keeps a wait spinning instead of sleeping: messages still arrive, and the
+// deadline still ends a wait that spins longer than the timeout.
+TEST(Group, ASpinningWaitDeliversAndStillEndsAtItsDeadline) {
+  GroupOptions opts;
+  opts.timeout = std::chrono::milliseconds(300);
+  opts.spin = std::chrono::seconds(3);
+  run_ranks(
+      2,
+      [&](Group& g) {
+        std::vector<float> v(1000, static_cast<float>(g.rank()));
+        if (g.rank() == 1) {
+          g.send(v.data(), v.size(), DataType::f32, 0, 1);
+        } else {
+          g.recv(v.data(), v.size(), DataType::f32, 1, 1);
+          EXPECT_EQ(v.front(), 1.0f);
+          EXPECT_EQ(v.back(), 1.0f);
+        }
+        // Both wait for a message the other never sends: each wait times out, spinning.
+        const auto t0 = std::chrono::steady_clock::now();
+        EXPECT_THROW(g.recv(v.data(), v.size(), DataType::f32, 1 - g.rank(), 2), CommError);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        EXPECT_GT(s, 0.2) << "the wait ended before its timeout";
+        EXPECT_LT(s, 2.0) << "the 3 s spin outlasted the 300 ms timeout";
+      },
+      opts);
+}
+
 }  // namespace
 
 // An asynchronous send larger than the transport's ring followed by a blocking receive, all

@@ -96,7 +96,7 @@ struct Peer {
 
 class ShmTransport final : public Transport {
  public:
-  ShmTransport(Segment segment, int rank, int size)
+  ShmTransport(Segment segment, int rank, int size, std::chrono::microseconds spin)
       : seg_(std::move(segment)),
         rank_(rank),
         size_(size),
@@ -104,7 +104,8 @@ class ShmTransport final : public Transport {
         mask_(seg_.ring_bytes() - 1),
         peers_(static_cast<size_t>(size)),
         requests_("shm", rank, size),
-        collectives_(seg_, rank, size, [this] { check_abort(); }) {
+        collectives_(seg_, rank, size, [this] { check_abort(); }),
+        spin_(spin) {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       Peer& peer = peers_[static_cast<size_t>(p)];
@@ -206,6 +207,7 @@ class ShmTransport final : public Transport {
   // The progress loop of wait(): pass, spin, sleep, with the failure checks in between.
   void drive(const std::vector<Request*>& listed, Deadline deadline) {
     const auto start = Clock::now();
+    auto spin_from = start;
     auto last_liveness = start;
     size_t cursor = 0;
     int idle = 0;  // passes in a row that moved nothing
@@ -226,7 +228,8 @@ class ShmTransport final : public Transport {
         }
       }
       if (idle == 0) continue;
-      if (idle < kSpinIterations) {
+      // Spin for kSpinIterations idle passes, and at least spin_ since the wait began.
+      if (idle < kSpinIterations || (spin_.count() > 0 && now - spin_from < spin_)) {
         // After the first microseconds, also let a rank that shares our core run (threads, or
         // more ranks than cores); on an otherwise idle core sched_yield returns at once.
         if (idle >= kYieldAfter && idle % kYieldEvery == 0) {
@@ -238,6 +241,7 @@ class ShmTransport final : public Transport {
       }
       idle = 0;
       sleep(listed, cursor, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now)));
+      spin_from = Clock::now() - spin_;  // after a sleep, spin only the brief default again
     }
   }
 
@@ -485,6 +489,7 @@ class ShmTransport final : public Transport {
   std::atomic<bool> in_use_{false};
   Clock::time_point last_test_liveness_{};
   shm::Collectives collectives_;
+  std::chrono::microseconds spin_;  // a wait spins at least this long before it sleeps
 };
 
 Duration remaining(Deadline deadline) {
@@ -525,7 +530,7 @@ void wait_ready(Store& store, const Segment& seg, const std::string& ready_key, 
 }  // namespace
 
 std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& prefix, int rank, int size,
-                                              Duration timeout) {
+                                              Duration timeout, std::chrono::microseconds spin) {
   DT_CHECK(size >= 1 && rank >= 0 && rank < size, "comm", "shm transport: rank {} is not in a group of size {}", rank,
            size);
   const Deadline deadline = deadline_after(timeout);
@@ -546,7 +551,7 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& p
     }
     // Everyone mapped it: from now on the mappings keep it alive and nothing can leak.
     shm::unlink_segment(name);
-    return std::make_unique<ShmTransport>(std::move(seg), rank, size);
+    return std::make_unique<ShmTransport>(std::move(seg), rank, size, spin);
   }
 
   std::string name;
@@ -564,7 +569,7 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& p
     join(seg, rank);
     if (store.add(mapped_key, 1) == size - 1) store.set(ready_key, "1");
     wait_ready(store, seg, ready_key, rank, size, timeout, deadline);
-    return std::make_unique<ShmTransport>(std::move(seg), rank, size);
+    return std::make_unique<ShmTransport>(std::move(seg), rank, size, spin);
   } catch (...) {
     shm::unlink_segment(name);  // in case rank 0 is gone too: never leave it in /dev/shm
     throw;

@@ -51,6 +51,11 @@ struct GroupOptions {
   Algorithm algorithm = Algorithm::automatic;  // overrides the per-size choice (also DTRAIN_ALGO)
   std::string bind_address;                    // tcp: address to listen on and publish; "" = 127.0.0.1
   std::string secret;                          // tcp: the job secret; "" = DTRAIN_SECRET
+  /// shm: a blocking wait spins at least this long before it sleeps on a futex (0: a few
+  /// microseconds). Longer spins cut the wake-up latency of a message that arrives after a
+  /// long wait (pipeline stages), at the price of a busy core: use it only when every rank on
+  /// the host has a core to itself.
+  std::chrono::microseconds spin{0};
 };
 
 class Work {
@@ -85,6 +90,8 @@ class Group {
   int rank() const;
   int size() const;
   const std::string& transport_kind() const;
+  /// The options this group was created with (a split without options inherits them).
+  const GroupOptions& options() const;
   /// Collective: ranks with the same color form a sub-group ordered by (key, rank). A
   /// negative color returns an empty Group (size 0) for that rank.
   Group split(int color, int key) const;

@@ -91,10 +91,11 @@ class Store;
 /// Shared-memory transport between processes (or threads) on one host. Rank 0 creates a
 /// segment named after `prefix` and publishes its name in `store`; the others map it. The
 /// segment is unlinked as soon as every rank mapped it, so nothing is left in /dev/shm even
-/// after a crash. Waits spin briefly, then sleep on a futex. A peer whose process is gone is
-/// reported as dead.
+/// after a crash. Waits spin briefly (at least `spin`), then sleep on a futex. A peer whose
+/// process is gone is reported as dead.
 std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& prefix, int rank, int size,
-                                              Duration timeout);
+                                              Duration timeout,
+                                              std::chrono::microseconds spin = std::chrono::microseconds(0));
 
 /// TCP transport: one connection per pair (lower rank connects to higher), TCP_NODELAY,
 /// non-blocking sockets driven by poll() in the waiting thread. Each rank listens on
