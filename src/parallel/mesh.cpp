@@ -1,5 +1,7 @@
 #include "dtrain/parallel/mesh.h"
 
+#include <sched.h>
+
 #include <fmt/format.h>
 
 #include "dtrain/core/error.h"
@@ -22,7 +24,14 @@ Mesh::Mesh(const comm::Group& world, MeshShape shape) : shape_(shape), world_(wo
   const MeshCoord c = coord_;
   // One split per axis; the color names the coordinates that stay fixed, the key orders the axis.
   dp_ = world.split(c.pp * shape.tp + c.tp, c.dp);
-  pp_ = world.split(c.dp * shape.tp + c.tp, c.pp);
+  // Pipeline stages wait milliseconds for each other and then want the message at once: when
+  // every rank has a core, their waits spin instead of sleeping (a futex wake-up costs tens of
+  // microseconds, twice per micro-batch on the critical path).
+  comm::GroupOptions pp_options = world.options();
+  cpu_set_t cpus;
+  const int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  if (world.size() <= cores && pp_options.spin.count() == 0) pp_options.spin = std::chrono::milliseconds(100);
+  pp_ = world.split(c.dp * shape.tp + c.tp, c.pp, pp_options);
   tp_ = world.split(c.dp * shape.pp + c.pp, c.tp);
 }
 

@@ -168,17 +168,25 @@ Pipeline::~Pipeline() {
   }
 }
 
-void Pipeline::send_tensor(const Tensor& t, int peer) {
+void Pipeline::send_tensor(const Tensor& t, int peer, Shape* agreed) {
   Pending p;
   p.data = t.is_contiguous() ? t.detach() : t.detach().contiguous();
-  p.header = std::make_shared<std::array<int64_t, kMaxDims + 1>>();
-  p.header->fill(0);
   const Shape& shape = p.data.shape();
   DT_CHECK(shape.size() <= kMaxDims, "pipeline", "stage {}: cannot send a {}-dimensional activation (at most {})",
            stage(), shape.size(), kMaxDims);
-  (*p.header)[0] = static_cast<int64_t>(shape.size());
-  for (size_t d = 0; d < shape.size(); ++d) (*p.header)[d + 1] = shape[d];
-  pp_.send_async(p.header->data(), kMaxDims + 1, comm::DataType::i64, peer, kTagShape);
+  if (!agreed->empty()) {
+    DT_CHECK(*agreed == shape, "pipeline",
+             "stage {}: an activation of shape {} for stage {}, which agreed on {} at the first micro-batch (every "
+             "micro-batch of a run must have the same shape)",
+             stage(), shape_str(shape), peer, shape_str(*agreed));
+  } else {
+    p.header = std::make_shared<std::array<int64_t, kMaxDims + 1>>();
+    p.header->fill(0);
+    (*p.header)[0] = static_cast<int64_t>(shape.size());
+    for (size_t d = 0; d < shape.size(); ++d) (*p.header)[d + 1] = shape[d];
+    pp_.send_async(p.header->data(), kMaxDims + 1, comm::DataType::i64, peer, kTagShape);
+    *agreed = shape;
+  }
   p.work = pp_.send_async(p.data.data(), static_cast<size_t>(p.data.numel()), comm::DataType::f32, peer, kTagData);
   sends_.push_back(std::move(p));
   // Forget the sends that finished (in order: a later one cannot finish before an earlier one
@@ -186,7 +194,12 @@ void Pipeline::send_tensor(const Tensor& t, int peer) {
   while (!sends_.empty() && sends_.front().work.test()) sends_.erase(sends_.begin());
 }
 
-Tensor Pipeline::recv_tensor(int peer, const char* what) {
+Tensor Pipeline::recv_tensor(int peer, const char* what, Shape* agreed) {
+  if (agreed != nullptr && !agreed->empty()) {
+    Tensor t = Tensor::empty(*agreed);
+    pp_.recv(t.data(), static_cast<size_t>(t.numel()), comm::DataType::f32, peer, kTagData);
+    return t;
+  }
   std::array<int64_t, kMaxDims + 1> header{};
   pp_.recv(header.data(), header.size(), comm::DataType::i64, peer, kTagShape);
   const int64_t dims = header[0];
@@ -201,6 +214,7 @@ Tensor Pipeline::recv_tensor(int peer, const char* what) {
   }
   Tensor t = Tensor::empty(shape);
   pp_.recv(t.data(), static_cast<size_t>(numel), comm::DataType::f32, peer, kTagData);
+  if (agreed != nullptr) *agreed = shape;
   return t;
 }
 
@@ -241,7 +255,7 @@ double Pipeline::train_step(const std::function<std::pair<Tensor, Tensor>(int)>&
         if (last()) f.targets = batch.second;
       }
       if (!first()) {
-        f.input = recv_tensor(stage() - 1, "activation");
+        f.input = recv_tensor(stage() - 1, "activation", &shape_in_);
         f.input.set_requires_grad(true);
       }
       const auto a = comm::Clock::now();
@@ -259,7 +273,7 @@ double Pipeline::train_step(const std::function<std::pair<Tensor, Tensor>(int)>&
         loss_sum += static_cast<double>(out.item());
         if (!options_.recompute) f.output = out * loss_scale;
       } else {
-        send_tensor(out, stage() + 1);
+        send_tensor(out, stage() + 1, &shape_out_);
         if (!options_.recompute) f.output = out;
       }
       f.bytes = memory::live_bytes() - before;
@@ -274,7 +288,10 @@ double Pipeline::train_step(const std::function<std::pair<Tensor, Tensor>(int)>&
              op.micro);
     InFlight& f = it->second;
     Tensor grad;
-    if (!last()) grad = recv_tensor(stage() + 1, "gradient");
+    if (!last()) {
+      Shape expect = shape_out_;  // the gradient of the activation this stage sent
+      grad = recv_tensor(stage() + 1, "gradient", &expect);
+    }
     ++backwards;
     if (before_backward) before_backward(backwards == M);
     const auto a = comm::Clock::now();
@@ -296,7 +313,8 @@ double Pipeline::train_step(const std::function<std::pair<Tensor, Tensor>(int)>&
     if (!first()) {
       Tensor g = f.input.grad();
       DT_CHECK(g.defined(), "pipeline", "stage {}: micro-batch {}'s input got no gradient", stage(), op.micro);
-      send_tensor(g, stage() - 1);
+      Shape same = g.shape();
+      send_tensor(g, stage() - 1, &same);
     }
     held -= f.bytes;
     live.erase(it);
@@ -312,10 +330,11 @@ double Pipeline::train_step(const std::function<std::pair<Tensor, Tensor>(int)>&
 
 Tensor Pipeline::forward_only(const Tensor& x) {
   NoGradGuard no_grad;
-  Tensor in = first() ? x : recv_tensor(stage() - 1, "activation");
+  Tensor in = first() ? x : recv_tensor(stage() - 1, "activation", nullptr);
   Tensor out = model_.forward(in);
   if (last()) return out;
-  send_tensor(out, stage() + 1);
+  Shape fresh;  // evaluation batches may differ in shape: a header every time
+  send_tensor(out, stage() + 1, &fresh);
   drain_sends();
   return Tensor();
 }

@@ -19,6 +19,7 @@
 #include "commands.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/core/error.h"
+#include "dtrain/parallel/mesh.h"
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
@@ -88,8 +89,11 @@ class EmulatedModel : public nn::Model {
 
 int worker(const PipeBenchOptions& o) {
   ::prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
-  comm::Group pp = comm::Group::from_env();
-  const int P = pp.size();
+  // The pipeline group as dtrain train makes it (the mesh's pp axis, with its wait policy).
+  comm::Group world = comm::Group::from_env();
+  const int P = world.size();
+  parallel::Mesh mesh(world, parallel::MeshShape{1, P, 1});
+  comm::Group& pp = mesh.pp();
   parallel::PipelineOptions po;
   po.schedule = parallel::parse_schedule(o.schedule);
   po.micro_batches = o.micro_batches;

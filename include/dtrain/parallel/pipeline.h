@@ -12,10 +12,13 @@
 // stage its targets and computes the loss (times loss_scale); the gradients a stage accumulates
 // over the M backwards are those of the single process on the whole batch.
 //
-// Messages: an activation goes to the next stage as a shape header and the data, a gradient
-// comes back with the shape of the activation it belongs to. Sends are asynchronous (completed
-// before train_step returns); receives block with the group's timeout. Between two stages the
-// messages of one direction arrive in micro-batch order, so no tags beyond the kind are needed.
+// Messages: the first training activation between two stages goes as a shape header and the
+// data, which fixes the shape for the run (a later activation of another shape is an error);
+// after it, activations go as data only, and a gradient always does (it has the shape of the
+// activation it belongs to). forward_only (evaluation) sends a header every time. Sends are
+// asynchronous (completed before train_step returns); receives block with the group's timeout.
+// Between two stages the messages of one direction arrive in micro-batch order, so no tags
+// beyond the kind are needed.
 //
 // Recompute (options.recompute): a forward keeps only its input; the backward runs the forward
 // again with the graph, then the backward (activation memory of one micro-batch per stage).
@@ -104,14 +107,17 @@ class Pipeline {
  private:
   struct InFlight;
   struct Pending;
-  Tensor recv_tensor(int peer, const char* what);
-  void send_tensor(const Tensor& t, int peer);
+  // `agreed`: empty: a shape header goes first and fills it; set: data only, of that shape.
+  // nullptr (receive): a header is expected.
+  Tensor recv_tensor(int peer, const char* what, Shape* agreed);
+  void send_tensor(const Tensor& t, int peer, Shape* agreed);
   void drain_sends();
 
   nn::Model& model_;
   comm::Group pp_;
   PipelineOptions options_;
   std::vector<Pending> sends_;
+  Shape shape_in_, shape_out_;  // training activations' shapes, agreed at the first micro-batch
 };
 
 }  // namespace dtrain::parallel
