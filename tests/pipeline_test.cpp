@@ -253,5 +253,25 @@ TEST(Pipeline, AMalformedActivationHeaderFromThePreviousStageIsAClearError) {
   });
 }
 
+TEST(Pipeline, ShapesAreAgreedAtTheFirstMicroBatchAndAChangeIsAClearError) {
+  run_ranks(2, [&](comm::Group& g) {
+    nn::Gpt stage(small_gpt(), 5, g.rank() == 0 ? nn::BlockRange{0, 3} : nn::BlockRange{3, 6});
+    Pipeline pipe(stage, g, {Schedule::one_f_one_b, 2, false});
+    // Two steps of the agreed shape (header only in the first), then a shorter sequence.
+    for (int step = 0; step < 2; ++step) pipe.train_step(micro_batch, 0.5f, nullptr);
+    auto shorter = [](int m) {
+      auto [x, y] = micro_batch(m);
+      return std::make_pair(x.slice(1, 0, 4).contiguous(), y.slice(1, 0, 4).contiguous());
+    };
+    if (g.rank() == 1) return;  // stage 0 notices before it sends anything
+    try {
+      pipe.train_step(shorter, 0.5f, nullptr);
+      FAIL() << "an activation of another shape was sent";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("which agreed on [2, 8, 16]"), std::string::npos) << e.what();
+    }
+  });
+}
+
 }  // namespace
 }  // namespace dtrain::parallel
