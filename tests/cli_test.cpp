@@ -283,6 +283,62 @@ TEST_F(Cli, AModelOverTheMemoryLimitTrainsWhenSplitIntoStages) {
   EXPECT_EQ(two.code, 0) << two.output;
 }
 
+// Nothing is lost: a worker killed mid-run (or mid-checkpoint) is restarted with the others
+// from the last complete checkpoint, and the run ends with exactly the parameters of a run
+// that never failed; a damaged newest checkpoint is skipped with a warning.
+TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
+  const std::string mlp = "train --model mlp --hidden 32 --batch-size 32 --steps 12 --progress=false --log-every 4";
+  auto digest = [&](const std::string& metrics) { return final_record(metrics)["params_digest"].get<std::string>(); };
+  ProcessResult ref = dtrain(mlp + " --dp 2 --metrics " + path("ref.jsonl"));
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  struct Case {
+    const char* name;
+    std::string fault;
+  };
+  const std::vector<Case> cases = {{"kill rank 1 at step 7", "kill:rank=1:step=7"},
+                                   {"kill rank 0 while it writes the step 8 checkpoint",
+                                    "kill:rank=0:step=8:phase=checkpoint"},
+                                   {"two faults on two starts", "kill:rank=1:step=3,kill:rank=0:step=10:attempt=1"}};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string dir = path("ckpt" + std::to_string(i)), metrics = path("f" + std::to_string(i) + ".jsonl");
+    ::setenv("DTRAIN_FAULT", cases[i].fault.c_str(), 1);
+    ProcessResult r = dtrain(mlp + " --dp 2 --checkpoint-dir " + dir +
+                                 " --checkpoint-every 4 --max-restarts 2 --metrics " + metrics,
+                             300);
+    ::unsetenv("DTRAIN_FAULT");
+    ASSERT_EQ(r.code, 0) << cases[i].name << ": " << r.output;
+    EXPECT_NE(r.output.find("restarting all 2 workers"), std::string::npos) << cases[i].name << ": " << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << cases[i].name << ": " << r.output;
+    EXPECT_EQ(digest("f" + std::to_string(i) + ".jsonl"), digest("ref.jsonl")) << cases[i].name;
+  }
+  // One process, no launcher: killed at step 10, run again by hand, it resumes from step 8.
+  const std::string one = mlp + " --checkpoint-dir " + path("one") + " --checkpoint-every 4 --keep 2";
+  ProcessResult ref1 = dtrain(mlp + " --metrics " + path("ref1.jsonl"));
+  ASSERT_EQ(ref1.code, 0) << ref1.output;
+  ::setenv("DTRAIN_FAULT", "kill:rank=0:step=10", 1);
+  ProcessResult killed = dtrain(one);
+  ::unsetenv("DTRAIN_FAULT");
+  EXPECT_NE(killed.code, 0) << killed.output;
+  ASSERT_TRUE(fs::exists(path("one/step-00000008/manifest.json")));
+  // Damage the newest checkpoint: the resume must fall back to step 4 and say why.
+  {
+    std::fstream f(path("one/step-00000008/rank-0.dtm"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x5a');
+  }
+  ProcessResult resumed = dtrain(one + " --metrics " + path("one.jsonl"));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("step-00000008 is not usable: rank-0.dtm does not match its checksum"),
+            std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + path("one") + "/step-00000004"), std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(digest("one.jsonl"), digest("ref1.jsonl"));
+  // --keep 2: only the two newest complete checkpoints stay.
+  EXPECT_FALSE(fs::exists(path("one/step-00000004")));
+  EXPECT_TRUE(fs::exists(path("one/step-00000012/manifest.json")));
+}
+
 TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
   ProcessResult r = dtrain("launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "
                            "${#DTRAIN_SECRET} $MASTER_ADDR'",

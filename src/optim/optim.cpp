@@ -51,6 +51,41 @@ std::vector<nn::NamedTensor> Sgd::state() const {
   return out;
 }
 
+namespace {
+
+// "exp_avg.3" -> 3 when the name starts with `prefix` and the index is a parameter's.
+int state_index(const std::string& name, const std::string& prefix, size_t params) {
+  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size()) return -1;
+  size_t used = 0;
+  unsigned long i = 0;
+  try {
+    i = std::stoul(name.substr(prefix.size()), &used);
+  } catch (const std::exception&) {
+    return -1;
+  }
+  return used == name.size() - prefix.size() && i < params ? static_cast<int>(i) : -1;
+}
+
+Tensor restored(const std::string& name, const Tensor& saved, const Tensor& param) {
+  DT_CHECK(saved.shape() == param.shape(), "optim", "optimizer state '{}' has shape {} but its parameter {}", name,
+           shape_str(saved.shape()), shape_str(param.shape()));
+  return saved.clone();
+}
+
+}  // namespace
+
+void Sgd::load_state(const std::vector<nn::NamedTensor>& state, const std::vector<int64_t>& counters) {
+  DT_CHECK(counters.size() == 1 && counters[0] >= 0, "optim", "SGD state: {} counters, expected 1", counters.size());
+  std::vector<Tensor> bufs(params_.size());
+  for (const auto& [name, t] : state) {
+    const int i = state_index(name, "momentum.", params_.size());
+    DT_CHECK(i >= 0, "optim", "SGD state has an unknown tensor '{}' ({} parameters)", name, params_.size());
+    bufs[static_cast<size_t>(i)] = restored(name, t, params_[static_cast<size_t>(i)]);
+  }
+  momentum_buf_ = std::move(bufs);
+  step_count_ = counters[0];
+}
+
 AdamW::AdamW(std::vector<Tensor> params, float lr, float beta1, float beta2, float eps, float weight_decay)
     : Optimizer(std::move(params)), beta1_(beta1), beta2_(beta2), eps_(eps), weight_decay_(weight_decay) {
   DT_CHECK(lr >= 0.0f && beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f && eps > 0.0f, "optim",
@@ -98,6 +133,36 @@ std::vector<nn::NamedTensor> AdamW::state() const {
     out.emplace_back("exp_avg_sq." + std::to_string(i), exp_avg_sq_[i]);
   }
   return out;
+}
+
+std::vector<int64_t> AdamW::counters() const {
+  std::vector<int64_t> c{step_count_};
+  c.insert(c.end(), steps_.begin(), steps_.end());
+  return c;
+}
+
+void AdamW::load_state(const std::vector<nn::NamedTensor>& state, const std::vector<int64_t>& counters) {
+  DT_CHECK(counters.size() == params_.size() + 1, "optim", "AdamW state: {} counters, expected {} (1 + parameters)",
+           counters.size(), params_.size() + 1);
+  std::vector<Tensor> m(params_.size()), v(params_.size());
+  for (const auto& [name, t] : state) {
+    int i = state_index(name, "exp_avg.", params_.size());
+    if (i >= 0) {
+      m[static_cast<size_t>(i)] = restored(name, t, params_[static_cast<size_t>(i)]);
+      continue;
+    }
+    i = state_index(name, "exp_avg_sq.", params_.size());
+    DT_CHECK(i >= 0, "optim", "AdamW state has an unknown tensor '{}' ({} parameters)", name, params_.size());
+    v[static_cast<size_t>(i)] = restored(name, t, params_[static_cast<size_t>(i)]);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    DT_CHECK(m[i].defined() == v[i].defined() && (m[i].defined() || counters[i + 1] == 0), "optim",
+             "AdamW state of parameter {} is incomplete", i);
+  }
+  exp_avg_ = std::move(m);
+  exp_avg_sq_ = std::move(v);
+  step_count_ = counters[0];
+  steps_.assign(counters.begin() + 1, counters.end());
 }
 
 float LrSchedule::at(int64_t step) const {

@@ -1,6 +1,6 @@
 #include "dtrain/parallel/mesh.h"
 
-#include <sched.h>
+#include <cstdlib>
 
 #include <fmt/format.h>
 
@@ -24,13 +24,18 @@ Mesh::Mesh(const comm::Group& world, MeshShape shape) : shape_(shape), world_(wo
   const MeshCoord c = coord_;
   // One split per axis; the color names the coordinates that stay fixed, the key orders the axis.
   dp_ = world.split(c.pp * shape.tp + c.tp, c.dp);
-  // Pipeline stages wait milliseconds for each other and then want the message at once: when
-  // every rank has a core, their waits spin instead of sleeping (a futex wake-up costs tens of
-  // microseconds, twice per micro-batch on the critical path).
+  // Pipeline stages wait milliseconds for each other and then want the message at once: with
+  // DTRAIN_PP_SPIN_US set (for hosts where every rank has a physical core to itself) their
+  // waits spin that long instead of sleeping on a futex. Off by default: on SMT siblings or
+  // shared cores a spinning stage slows the one computing next to it.
   comm::GroupOptions pp_options = world.options();
-  cpu_set_t cpus;
-  const int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  if (world.size() <= cores && pp_options.spin.count() == 0) pp_options.spin = std::chrono::milliseconds(100);
+  if (const char* v = std::getenv("DTRAIN_PP_SPIN_US"); v != nullptr && pp_options.spin.count() == 0) {
+    char* end = nullptr;
+    const long long us = std::strtoll(v, &end, 10);
+    DT_CHECK(end != v && *end == '\0' && us >= 0 && us <= 10'000'000, "mesh",
+             "DTRAIN_PP_SPIN_US='{}': expected microseconds in [0, 10000000]", v);
+    pp_options.spin = std::chrono::microseconds(us);
+  }
   pp_ = world.split(c.dp * shape.tp + c.tp, c.pp, pp_options);
   tp_ = world.split(c.dp * shape.pp + c.pp, c.tp);
 }

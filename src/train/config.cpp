@@ -61,6 +61,12 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"recompute", &c.recompute, "pipeline: keep only stage inputs, recompute activations in backward"},
       {"memory-limit", &c.memory_limit,
        "bytes of parameters + gradients + optimizer state allowed per process (0 = no limit)"},
+      {"checkpoint-dir", &c.checkpoint_dir,
+       "write checkpoints here, and resume from the newest complete one found here at start"},
+      {"checkpoint-every", &c.checkpoint_every, "steps between checkpoints (0 = none; needs --checkpoint-dir)"},
+      {"keep", &c.keep, "complete checkpoints to keep"},
+      {"max-restarts", &c.max_restarts,
+       "when a worker fails, restart all workers from the last complete checkpoint up to this many times"},
       {"trace", &c.trace, "write a Chrome/Perfetto trace (JSON) of forward, backward, communication, optimizer"},
       {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
       {"threads", &c.threads, "BLAS threads per process"},
@@ -234,6 +240,13 @@ void finalize(TrainConfig& c) {
     DT_CHECK((4 * c.width) % c.tp == 0 && c.width % c.tp == 0, "config",
              "--width {} is not divisible by --tp {}", c.width, c.tp);
   }
+  DT_CHECK(c.checkpoint_every >= 0 && c.keep >= 1 && c.max_restarts >= 0, "config",
+           "--checkpoint-every {}, --keep {}, --max-restarts {}: expected >= 0, >= 1, >= 0", c.checkpoint_every, c.keep,
+           c.max_restarts);
+  DT_CHECK(c.checkpoint_every == 0 || !c.checkpoint_dir.empty(), "config",
+           "--checkpoint-every {} needs --checkpoint-dir", c.checkpoint_every);
+  DT_CHECK(c.max_restarts == 0 || !c.checkpoint_dir.empty(), "config",
+           "--max-restarts {} needs --checkpoint-dir (a restart resumes from the last checkpoint)", c.max_restarts);
   DT_CHECK(c.zero == 0 || c.dp > 1, "config", "--zero {} shards over data-parallel ranks: it needs --dp 2 or more",
            c.zero);
   DT_CHECK(c.clip_grad <= 0.0f || c.zero == 0 || (c.pp == 1 && c.tp == 1), "config",

@@ -94,7 +94,7 @@ std::string params_digest(const std::vector<nn::NamedTensor>& tensors) {
   return hex_encode(digest, len);
 }
 
-void save_model(const std::string& path, const ModelFile& file) {
+std::string encode_model(const ModelFile& file) {
   std::string out;
   out.append(kMagic, sizeof(kMagic));
   put<uint32_t>(out, kVersion);
@@ -116,7 +116,12 @@ void save_model(const std::string& path, const ModelFile& file) {
   unsigned int len = 0;
   EVP_Digest(out.data(), out.size(), digest, &len, EVP_sha256(), nullptr);
   out.append(reinterpret_cast<const char*>(digest), kDigestBytes);
+  return out;
+}
 
+void save_model(const std::string& path, const ModelFile& file) { write_file_atomic(path, encode_model(file)); }
+
+void write_file_atomic(const std::string& path, const std::string& out) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   DT_CHECK(fd >= 0, "model", "{}: cannot create: {}", tmp, std::strerror(errno));

@@ -1,7 +1,10 @@
 #include "dtrain/train/trainer.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -17,6 +20,7 @@
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/train/checkpoint.h"
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/model_io.h"
 
@@ -246,6 +250,75 @@ std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> loca
   return local;
 }
 
+// DTRAIN_FAULT: faults to inject, for tests and demonstrations. A comma-separated list of
+// kill:rank=R:step=S[:phase=step|checkpoint][:attempt=A]: rank R kills itself with SIGKILL
+// when it starts step S (1-based), or, with phase=checkpoint, in the middle of writing the
+// checkpoint of step S (its file written, the manifest not yet); only on start A of the job
+// (DTRAIN_RESTART, default 0), so that a restarted job runs through.
+struct Fault {
+  int rank = -1;
+  int64_t step = -1;
+  bool in_checkpoint = false;
+  int attempt = 0;
+};
+
+std::vector<Fault> faults_from_env(int rank) {
+  std::vector<Fault> out;
+  const char* spec = std::getenv("DTRAIN_FAULT");
+  if (spec == nullptr || *spec == '\0') return out;
+  const char* restart = std::getenv("DTRAIN_RESTART");
+  const int attempt = restart != nullptr ? std::atoi(restart) : 0;
+  std::string all = spec;
+  size_t at = 0;
+  while (at <= all.size()) {
+    const size_t comma = std::min(all.find(',', at), all.size());
+    const std::string one = all.substr(at, comma - at);
+    at = comma + 1;
+    Fault f;
+    bool kill = false;
+    size_t p = 0;
+    while (p <= one.size()) {
+      const size_t colon = std::min(one.find(':', p), one.size());
+      const std::string part = one.substr(p, colon - p);
+      p = colon + 1;
+      const size_t eq = part.find('=');
+      const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
+      try {
+        if (part == "kill") {
+          kill = true;
+        } else if (key == "rank") {
+          f.rank = std::stoi(value);
+        } else if (key == "step") {
+          f.step = std::stoll(value);
+        } else if (key == "attempt") {
+          f.attempt = std::stoi(value);
+        } else if (key == "phase" && (value == "step" || value == "checkpoint")) {
+          f.in_checkpoint = value == "checkpoint";
+        } else {
+          throw std::invalid_argument(part);
+        }
+      } catch (const std::exception&) {
+        DT_THROW("train", "DTRAIN_FAULT '{}': cannot read '{}' (expected kill:rank=R:step=S[:phase=step|checkpoint][:attempt=A])",
+                 spec, part);
+      }
+    }
+    DT_CHECK(kill && f.rank >= 0 && f.step >= 1, "train",
+             "DTRAIN_FAULT '{}': '{}' needs kill, rank=R and step=S (S >= 1)", spec, one);
+    if (f.rank == rank && f.attempt == attempt) out.push_back(f);
+  }
+  return out;
+}
+
+void maybe_fail(const std::vector<Fault>& faults, int64_t step, bool in_checkpoint) {
+  for (const Fault& f : faults) {
+    if (f.step == step && f.in_checkpoint == in_checkpoint) {
+      DT_LOG_WARN("DTRAIN_FAULT: killing this rank (pid {}) at step {}{}", ::getpid(), step,
+                  in_checkpoint ? " during its checkpoint write" : "");
+      ::raise(SIGKILL);
+    }
+  }
+}
+
 // Per-rank figures every rank contributes to the final record.
 struct RankFigures {
   double bubble = 0.0, step_s = 0.0, busy_s = 0.0;
@@ -313,6 +386,37 @@ TrainResult run_training(const TrainConfig& cfg) {
     pipe = std::make_unique<parallel::Pipeline>(*model, mesh->pp(), po);
   }
   auto optimizer = build_optimizer(cfg, ddp ? ddp->optimizer_params() : model->parameters());
+  // Checkpoints: resume from the newest complete one, if any.
+  std::unique_ptr<Checkpointer> ckpt;
+  int64_t start_step = 0;
+  const std::vector<Fault> faults = faults_from_env(rank);
+  if (!cfg.checkpoint_dir.empty()) {
+    nlohmann::json layout{{"model", nlohmann::json::parse(model_metadata(cfg))},
+                          {"dp", cfg.dp},
+                          {"pp", cfg.pp},
+                          {"tp", cfg.tp},
+                          {"zero", cfg.zero},
+                          {"optimizer", cfg.optimizer},
+                          {"stages", nlohmann::json::array()}};
+    for (const auto& r : stages) layout["stages"].push_back({r.begin, std::min(r.end, size_t{1} << 30)});
+    ckpt = std::make_unique<Checkpointer>(cfg.checkpoint_dir, cfg.keep, group.get(), layout);
+    if (auto shard = ckpt->load_latest()) {
+      auto params = model->named_parameters();
+      DT_CHECK(shard->params.size() == params.size(), "train", "checkpoint step {} holds {} parameters, the model {}",
+               shard->step, shard->params.size(), params.size());
+      NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) {
+        DT_CHECK(shard->params[i].first == params[i].first && shard->params[i].second.shape() == params[i].second.shape(),
+                 "train", "checkpoint step {}: parameter {} is '{}' {} but the model has '{}' {}", shard->step, i,
+                 shard->params[i].first, shape_str(shard->params[i].second.shape()), params[i].first,
+                 shape_str(params[i].second.shape()));
+        params[i].second.copy_from(shard->params[i].second);
+      }
+      optimizer->load_state(shard->optimizer, shard->counters);
+      start_step = shard->step;
+      if (lead) DT_LOG_INFO("resumed from {}/step-{:08d}: {} steps done", cfg.checkpoint_dir, start_step, start_step);
+    }
+  }
   const int64_t batch = cfg.batch_size;
   const int64_t M = cfg.micro_batches;
   const int64_t micro_steps = cfg.accumulate * M;  // micro-batches per rank per optimizer step
@@ -360,7 +464,8 @@ TrainResult run_training(const TrainConfig& cfg) {
   int64_t epoch = -1;
   RankFigures fig;
   int64_t stat_steps = 0;
-  for (int64_t step = 0; step < total_steps; ++step) {
+  for (int64_t step = start_step; step < total_steps; ++step) {
+    maybe_fail(faults, step + 1, false);
     const int64_t e = step / steps_per_epoch;
     if (e != epoch) {
       epoch = e;
@@ -461,6 +566,15 @@ TrainResult run_training(const TrainConfig& cfg) {
     }
     optimizer->zero_grad();
     const auto t1 = Clock::now();
+    if (ckpt && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) {
+      CheckpointShard shard;
+      shard.step = step + 1;
+      shard.params = model->named_parameters();
+      shard.optimizer = optimizer->state();
+      shard.counters = optimizer->counters();
+      ckpt->save(shard, [&] { maybe_fail(faults, step + 1, true); });
+      trace.span("checkpoint", -1, 0, t1, Clock::now(), step + 1);
+    }
     if (ddp) trace.span("synchronize", -1, 0, ts, to, step + 1);
     trace.span("optimizer", -1, 0, to, t1, step + 1);
     train_time += seconds_since(t0, t1);
@@ -468,7 +582,7 @@ TrainResult run_training(const TrainConfig& cfg) {
              optimizer->lr());
     interval_loss += step_loss;
     ++interval_steps;
-    const double samples = static_cast<double>((step + 1) * batch);
+    const double samples = static_cast<double>((step + 1 - start_step) * batch);
     const double rate = text ? samples * static_cast<double>(src.tokens_per_sample) / train_time : samples / train_time;
     if ((step + 1) % cfg.log_every == 0 || step + 1 == total_steps) {
       double mean = interval_loss / static_cast<double>(interval_steps);
@@ -494,7 +608,7 @@ TrainResult run_training(const TrainConfig& cfg) {
   result.steps = total_steps;
   result.epochs_started = epoch + 1;
   result.train_time_s = train_time;
-  result.samples_per_s = static_cast<double>(total_steps * batch) / train_time;
+  result.samples_per_s = train_time > 0 ? static_cast<double>((total_steps - start_step) * batch) / train_time : 0.0;
   result.tokens_per_s = result.samples_per_s * static_cast<double>(src.tokens_per_sample);
   // The whole model's FLOPs (a stage knows its model's full configuration).
   result.model_flops_per_s =

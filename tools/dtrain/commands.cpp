@@ -18,8 +18,8 @@ namespace dtrain::tools {
 int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   train::finalize(cfg);
   // Not started by a launcher: start dp x pp x tp copies of this very command.
-  if (train::world_size(cfg) > 1 && std::getenv("RANK") == nullptr) {
-    return launch_self(train::world_size(cfg), argv, true);
+  if ((train::world_size(cfg) > 1 || cfg.max_restarts > 0) && std::getenv("RANK") == nullptr) {
+    return launch_self(train::world_size(cfg), argv, true, cfg.max_restarts);
   }
   const bool lead = std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
   const train::TrainResult r = train::run_training(cfg);
@@ -52,22 +52,33 @@ int run_diff(const DiffOptions& opts) {
   return ok ? 0 : 1;
 }
 
-int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output) {
+int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output, int max_restarts) {
   char self[4096] = {};
   const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   DT_CHECK(len > 0, "launch", "cannot find this program's path (/proc/self/exe)");
   launch::LaunchOptions lo;
   lo.nproc_per_node = n;
   lo.prefix_output = prefix_output;
+  lo.max_restarts = max_restarts;
   lo.command.push_back(std::string(self, static_cast<size_t>(len)));
   lo.command.insert(lo.command.end(), argv.begin() + 1, argv.end());
   return tools::run_launch(lo);
 }
 
 int run_launch(const launch::LaunchOptions& opts) {
-  const launch::LaunchResult r = launch::run_launch(opts);
-  if (r.exit_code != 0) std::fprintf(stderr, "dtrain launch: job failed:\n%s", r.report.c_str());
-  return r.exit_code;
+  DT_CHECK(opts.max_restarts >= 0, "launch", "--max-restarts {} must be non-negative", opts.max_restarts);
+  for (int attempt = 0;; ++attempt) {
+    // Workers see which start this is (fault injection fires on one attempt only).
+    ::setenv("DTRAIN_RESTART", std::to_string(attempt).c_str(), 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    const launch::LaunchResult r = launch::run_launch(opts);
+    if (r.exit_code == 0) return 0;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "dtrain launch: job failed after %.1f s:\n%s", s, r.report.c_str());
+    if (attempt >= opts.max_restarts) return r.exit_code;
+    std::fprintf(stderr, "dtrain launch: restarting all %d workers (restart %d of %d)\n", opts.nproc_per_node,
+                 attempt + 1, opts.max_restarts);
+  }
 }
 
 int run_bench_gemm(const BenchOptions& opts) {

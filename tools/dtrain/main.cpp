@@ -36,6 +36,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   launch->add_option("--grace", launch_opts.grace_seconds, "seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
+  launch->add_option("--max-restarts", launch_opts.max_restarts,
+                     "after a worker fails, start all workers again up to this many times (they resume from their "
+                     "checkpoints; DTRAIN_RESTART tells them which start this is)")
+      ->capture_default_str();
   launch->add_option("command", launch_opts.command, "PROGRAM ARGS... (after --)")->required();
 
   dtrain::tools::BenchOptions bench_opts;

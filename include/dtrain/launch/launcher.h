@@ -18,6 +18,7 @@ struct LaunchOptions {
   std::string secret;              // empty: DTRAIN_SECRET from the environment, else a fresh one
   double grace_seconds = 5.0;      // SIGTERM -> SIGKILL delay when stopping workers
   bool prefix_output = true;
+  int max_restarts = 0;            // after a failure, start all workers again (DTRAIN_RESTART=attempt)
   std::vector<std::string> command;  // PROGRAM ARGS...
 };
 

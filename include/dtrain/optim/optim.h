@@ -25,6 +25,11 @@ class Optimizer {
   virtual std::vector<nn::NamedTensor> state() const = 0;
   int64_t step_count() const { return step_count_; }
   virtual std::string name() const = 0;
+  /// The counters that are not tensors (steps taken), for checkpoints.
+  virtual std::vector<int64_t> counters() const { return {step_count_}; }
+  /// Restores what state() and counters() returned for the same parameters; names, shapes and
+  /// counts are checked (dtrain::Error naming the first mismatch).
+  virtual void load_state(const std::vector<nn::NamedTensor>& state, const std::vector<int64_t>& counters) = 0;
 
  protected:
   std::vector<Tensor> params_;
@@ -40,6 +45,7 @@ class Sgd : public Optimizer {
   void step() override;
   std::vector<nn::NamedTensor> state() const override;
   std::string name() const override { return "sgd"; }
+  void load_state(const std::vector<nn::NamedTensor>& state, const std::vector<int64_t>& counters) override;
 
  private:
   float momentum_, weight_decay_;
@@ -55,6 +61,8 @@ class AdamW : public Optimizer {
   void step() override;
   std::vector<nn::NamedTensor> state() const override;
   std::string name() const override { return "adamw"; }
+  std::vector<int64_t> counters() const override;
+  void load_state(const std::vector<nn::NamedTensor>& state, const std::vector<int64_t>& counters) override;
 
  private:
   float beta1_, beta2_, eps_, weight_decay_;

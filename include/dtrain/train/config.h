@@ -50,6 +50,10 @@ struct TrainConfig {
   std::string stages;         // blocks per stage by hand, "0-3,4-7" (empty: balanced)
   bool recompute = false;     // pipeline: recompute activations in backward
   int64_t memory_limit = 0;   // bytes of parameters + gradients + optimizer state per process (0: none)
+  std::string checkpoint_dir;     // checkpoints (resumed from automatically when present)
+  int64_t checkpoint_every = 0;   // steps between checkpoints (0: none)
+  int keep = 3;                   // complete checkpoints kept
+  int max_restarts = 0;           // dtrain train's own launcher restarts the workers this often
   std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
   // run
   uint64_t seed = 0;

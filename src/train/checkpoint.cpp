@@ -1,0 +1,183 @@
+#include "dtrain/train/checkpoint.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "dtrain/core/error.h"
+#include "dtrain/core/log.h"
+#include "dtrain/train/model_io.h"
+
+namespace dtrain::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kFormat = "dtrain-checkpoint";
+constexpr int kVersion = 1;
+constexpr size_t kHex = 64;  // SHA-256 as hex
+constexpr const char* kOptimPrefix = "optimizer/";
+
+std::string step_dir(const std::string& dir, int64_t step) { return fmt::format("{}/step-{:08d}", dir, step); }
+std::string rank_file(int rank) { return fmt::format("rank-{}.dtm", rank); }
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in.good()) return {};
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+std::vector<int64_t> checkpoint_steps(const std::string& dir) {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() != 13 || name.rfind("step-", 0) != 0) continue;
+    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    steps.push_back(std::stoll(name.substr(5)));
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
+}
+
+std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& layout) {
+  const std::string sd = step_dir(dir, step);
+  const std::string text = read_file(sd + "/manifest.json");
+  if (text.empty()) return "no manifest (the write did not complete)";
+  const nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
+  if (m.is_discarded() || !m.is_object()) return "manifest.json is not valid JSON";
+  if (m.value("format", "") != kFormat || m.value("version", 0) != kVersion) {
+    return fmt::format("manifest.json is not a version {} {} manifest", kVersion, kFormat);
+  }
+  if (!m.contains("step") || !m["step"].is_number_integer() || m["step"].get<int64_t>() != step) {
+    return "manifest.json names another step";
+  }
+  if (!m.contains("layout") || m["layout"] != layout) {
+    return fmt::format("written with layout {}, this run is {} (resharding is not supported yet)",
+                       m.contains("layout") ? m["layout"].dump() : "?", layout.dump());
+  }
+  if (!m.contains("files") || !m["files"].is_array()) return "manifest.json lists no files";
+  for (const auto& f : m["files"]) {
+    if (!f.is_object() || !f.contains("name") || !f["name"].is_string() || !f.contains("sha256") ||
+        !f["sha256"].is_string()) {
+      return "manifest.json has a malformed file entry";
+    }
+    const std::string name = f["name"].get<std::string>();
+    if (name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
+      return fmt::format("manifest.json names a file outside the checkpoint: '{}'", name);
+    }
+    const std::string bytes = read_file(sd + "/" + name);
+    if (bytes.empty()) return fmt::format("{} is missing or empty", name);
+    const std::string sum = sha256_hex(bytes.data(), bytes.size());
+    if (sum != f["sha256"].get<std::string>()) {
+      return fmt::format("{} does not match its checksum (sha256 {} but the manifest says {})", name, sum,
+                         f["sha256"].get<std::string>());
+    }
+  }
+  return {};
+}
+
+Checkpointer::Checkpointer(std::string dir, int keep, comm::Group* world, nlohmann::json layout)
+    : dir_(std::move(dir)), keep_(keep), world_(world), layout_(std::move(layout)) {
+  DT_CHECK(keep_ >= 1, "checkpoint", "--keep {} must be at least 1", keep_);
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  DT_CHECK(!ec && fs::is_directory(dir_), "checkpoint", "--checkpoint-dir {}: cannot create: {}", dir_, ec.message());
+}
+
+void Checkpointer::save(const CheckpointShard& shard, const std::function<void()>& before_commit) {
+  const int rank = world_ != nullptr ? world_->rank() : 0;
+  const int world = world_ != nullptr ? world_->size() : 1;
+  const std::string sd = step_dir(dir_, shard.step);
+  std::error_code ec;
+  fs::create_directories(sd, ec);
+  DT_CHECK(!ec, "checkpoint", "{}: cannot create: {}", sd, ec.message());
+  ModelFile file;
+  nlohmann::json meta{
+      {"step", shard.step}, {"rank", rank}, {"counters", shard.counters}, {"params", shard.params.size()}};
+  file.metadata = meta.dump();
+  file.tensors = shard.params;
+  for (const auto& [name, t] : shard.optimizer) file.tensors.emplace_back(kOptimPrefix + name, t);
+  const std::string bytes = encode_model(file);
+  write_file_atomic(sd + "/" + rank_file(rank), bytes);
+  const std::string sum = sha256_hex(bytes.data(), bytes.size());
+  if (before_commit) before_commit();
+  // Every rank's file is in place before rank 0 commits.
+  std::vector<char> all(kHex * static_cast<size_t>(world));
+  if (world_ != nullptr) {
+    world_->all_gather(sum.data(), all.data(), kHex, comm::DataType::u8);
+  } else {
+    std::memcpy(all.data(), sum.data(), kHex);
+  }
+  if (rank == 0) {
+    nlohmann::json m{{"format", kFormat},
+                     {"version", kVersion},
+                     {"step", shard.step},
+                     {"layout", layout_},
+                     {"files", nlohmann::json::array()}};
+    for (int r = 0; r < world; ++r) {
+      m["files"].push_back({{"rank", r}, {"name", rank_file(r)}, {"sha256", std::string(all.data() + kHex * r, kHex)}});
+    }
+    write_file_atomic(sd + "/manifest.json", m.dump(1) + "\n");
+    // Keep the newest `keep` complete checkpoints; anything older goes (complete or not).
+    int complete = 0;
+    for (int64_t s : checkpoint_steps(dir_)) {
+      if (s > shard.step) continue;  // a newer one (from a run that went further before it failed)
+      if (complete < keep_ && checkpoint_damage(dir_, s, layout_).empty()) {
+        ++complete;
+        continue;
+      }
+      if (complete >= keep_) fs::remove_all(step_dir(dir_, s), ec);
+    }
+  }
+  // Nobody moves on (and possibly crashes) before the commit is durable.
+  if (world_ != nullptr) world_->barrier();
+}
+
+std::optional<CheckpointShard> Checkpointer::load_latest() {
+  const int rank = world_ != nullptr ? world_->rank() : 0;
+  int64_t chosen = -1;
+  if (rank == 0) {
+    for (int64_t s : checkpoint_steps(dir_)) {
+      const std::string damage = checkpoint_damage(dir_, s, layout_);
+      if (damage.empty()) {
+        chosen = s;
+        break;
+      }
+      DT_LOG_WARN("checkpoint {} is not usable: {}; trying an older one", step_dir(dir_, s), damage);
+    }
+  }
+  if (world_ != nullptr) world_->broadcast(&chosen, 1, comm::DataType::i64, 0);
+  if (chosen < 0) return std::nullopt;
+  const std::string path = step_dir(dir_, chosen) + "/" + rank_file(rank);
+  const ModelFile file = load_model(path);
+  const nlohmann::json meta = nlohmann::json::parse(file.metadata, nullptr, false);
+  DT_CHECK(meta.is_object() && meta.value("step", int64_t{-1}) == chosen && meta.value("rank", -1) == rank &&
+               meta.contains("counters") && meta["counters"].is_array() && meta.contains("params"),
+           "checkpoint", "{}: metadata does not describe rank {} at step {}", path, rank, chosen);
+  CheckpointShard shard;
+  shard.step = chosen;
+  shard.counters = meta["counters"].get<std::vector<int64_t>>();
+  const size_t n_params = meta["params"].get<size_t>();
+  DT_CHECK(n_params <= file.tensors.size(), "checkpoint", "{}: {} parameters listed, {} tensors stored", path, n_params,
+           file.tensors.size());
+  for (size_t i = 0; i < file.tensors.size(); ++i) {
+    const auto& [name, t] = file.tensors[i];
+    if (i < n_params) {
+      shard.params.emplace_back(name, t);
+    } else {
+      DT_CHECK(name.rfind(kOptimPrefix, 0) == 0, "checkpoint", "{}: unexpected tensor '{}'", path, name);
+      shard.optimizer.emplace_back(name.substr(std::strlen(kOptimPrefix)), t);
+    }
+  }
+  return shard;
+}
+
+}  // namespace dtrain::train
