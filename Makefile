@@ -19,18 +19,22 @@ test: build
 	@ctest --preset $(PRESET) -j $(JOBS)
 	@$(MAKE) --no-print-directory fuzz
 
-# libFuzzer (clang, AddressSanitizer) on the TCP store's frame decoder for FUZZ_SECONDS;
-# new inputs go to build/fuzz/corpus, the seeds stay in fuzz/corpus.
+# libFuzzer (clang, AddressSanitizer) on the TCP store's frame decoder and on the checkpoint
+# readers (shard files, manifests) for FUZZ_SECONDS each; new inputs go to build/fuzz/corpus-*,
+# the seeds stay in fuzz/corpus.
 FUZZ_SECONDS ?= 30
+FUZZ_TARGETS := store_frame checkpoint
 fuzz: deps
 	@cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
 	  -DDTRAIN_FUZZ=ON >/dev/null
-	@cmake --build build/fuzz -j $(JOBS) --target store_frame_fuzz
-	@mkdir -p build/fuzz/corpus
-	@build/fuzz/fuzz/store_frame_fuzz -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
-	  build/fuzz/corpus fuzz/corpus/store_frame >build/fuzz/fuzz.log 2>&1 \
-	  || { tail -40 build/fuzz/fuzz.log; echo "fuzz: store_frame_fuzz FAILED (log: build/fuzz/fuzz.log)"; exit 1; }
-	@grep -E "^Done|executed_units|new_units" build/fuzz/fuzz.log | sed 's/^/fuzz: /'
+	@cmake --build build/fuzz -j $(JOBS) --target $(addsuffix _fuzz,$(FUZZ_TARGETS))
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/fuzz/corpus-$$t; \
+	  build/fuzz/fuzz/$${t}_fuzz -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    build/fuzz/corpus-$$t fuzz/corpus/$$t >build/fuzz/$$t.log 2>&1 \
+	    || { tail -40 build/fuzz/$$t.log; echo "fuzz: $${t}_fuzz FAILED (log: build/fuzz/$$t.log)"; exit 1; }; \
+	  grep -E "^Done|executed_units|new_units" build/fuzz/$$t.log | sed "s/^/fuzz: $$t: /"; \
+	done
 
 # The same tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 test-asan:

@@ -287,7 +287,10 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     const size_t m = std::min(chunk_elems, count - off);
     const size_t bytes = m * esize;
     const bool small = bytes <= kSmallBytes || size_ == 1;
-    const auto [lo, hi] = slice(m, rank_, size_, esize);
+    // Plain variables, not a structured binding: lambdas below capture them (clang 14 cannot
+    // capture bindings, and the fuzz build uses clang).
+    const auto range = slice(m, rank_, size_, esize);
+    const size_t lo = range.first, hi = range.second;
     // Large path: nobody else reads our own slice, so it is reduced straight from the input
     // and only the other slices are staged. In place, the output overwrites the input while
     // the sum runs: safe for ranks 0 and 1 (the first pair is read before anything is

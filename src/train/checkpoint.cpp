@@ -47,38 +47,52 @@ std::vector<int64_t> checkpoint_steps(const std::string& dir) {
   return steps;
 }
 
-std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& layout) {
-  const std::string sd = step_dir(dir, step);
-  const std::string text = read_file(sd + "/manifest.json");
+std::string parse_manifest(const std::string& text, int64_t step, const nlohmann::json& layout,
+                           std::vector<ManifestFile>* files) {
   if (text.empty()) return "no manifest (the write did not complete)";
   const nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
   if (m.is_discarded() || !m.is_object()) return "manifest.json is not valid JSON";
-  if (m.value("format", "") != kFormat || m.value("version", 0) != kVersion) {
+  const auto format = m.find("format");
+  const auto version = m.find("version");
+  if (format == m.end() || *format != kFormat || version == m.end() || *version != kVersion) {
     return fmt::format("manifest.json is not a version {} {} manifest", kVersion, kFormat);
   }
-  if (!m.contains("step") || !m["step"].is_number_integer() || m["step"].get<int64_t>() != step) {
-    return "manifest.json names another step";
-  }
-  if (!m.contains("layout") || m["layout"] != layout) {
+  const auto s = m.find("step");
+  if (s == m.end() || !s->is_number_integer() || s->get<int64_t>() != step) return "manifest.json names another step";
+  const auto l = m.find("layout");
+  if (l == m.end() || *l != layout) {
     return fmt::format("written with layout {}, this run is {} (resharding is not supported yet)",
-                       m.contains("layout") ? m["layout"].dump() : "?", layout.dump());
+                       l == m.end() ? "?" : l->dump(), layout.dump());
   }
-  if (!m.contains("files") || !m["files"].is_array()) return "manifest.json lists no files";
-  for (const auto& f : m["files"]) {
+  const auto fl = m.find("files");
+  if (fl == m.end() || !fl->is_array() || fl->empty()) return "manifest.json lists no files";
+  std::vector<ManifestFile> out;
+  for (const auto& f : *fl) {
     if (!f.is_object() || !f.contains("name") || !f["name"].is_string() || !f.contains("sha256") ||
-        !f["sha256"].is_string()) {
+        !f["sha256"].is_string() || f["sha256"].get<std::string>().size() != kHex) {
       return "manifest.json has a malformed file entry";
     }
     const std::string name = f["name"].get<std::string>();
-    if (name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
+    if (name.empty() || name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
       return fmt::format("manifest.json names a file outside the checkpoint: '{}'", name);
     }
-    const std::string bytes = read_file(sd + "/" + name);
-    if (bytes.empty()) return fmt::format("{} is missing or empty", name);
+    out.push_back({name, f["sha256"].get<std::string>()});
+  }
+  if (files != nullptr) *files = std::move(out);
+  return {};
+}
+
+std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& layout) {
+  const std::string sd = step_dir(dir, step);
+  std::vector<ManifestFile> files;
+  const std::string bad = parse_manifest(read_file(sd + "/manifest.json"), step, layout, &files);
+  if (!bad.empty()) return bad;
+  for (const ManifestFile& f : files) {
+    const std::string bytes = read_file(sd + "/" + f.name);
+    if (bytes.empty()) return fmt::format("{} is missing or empty", f.name);
     const std::string sum = sha256_hex(bytes.data(), bytes.size());
-    if (sum != f["sha256"].get<std::string>()) {
-      return fmt::format("{} does not match its checksum (sha256 {} but the manifest says {})", name, sum,
-                         f["sha256"].get<std::string>());
+    if (sum != f.sha256) {
+      return fmt::format("{} does not match its checksum (sha256 {} but the manifest says {})", f.name, sum, f.sha256);
     }
   }
   return {};

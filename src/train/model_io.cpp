@@ -153,6 +153,10 @@ ModelFile load_model(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   DT_CHECK(in.good(), "model", "{}: cannot open: {}", path, std::strerror(errno));
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return decode_model(bytes, path);
+}
+
+ModelFile decode_model(const std::string& bytes, const std::string& path) {
   DT_CHECK(bytes.size() >= sizeof(kMagic) + 8 + kDigestBytes && std::memcmp(bytes.data(), kMagic, 8) == 0, "model",
            "{}: not a dtrain model file (bad magic or {} bytes only)", path, bytes.size());
   const size_t body = bytes.size() - kDigestBytes;
@@ -177,9 +181,14 @@ ModelFile load_model(const std::string& path) {
     const auto ndim = r.get<uint32_t>("ndim");
     DT_CHECK(ndim <= 16, "model", "{}: tensor '{}': {} dimensions", path, name, ndim);
     Shape shape(ndim);
+    int64_t numel = 1;
     for (auto& d : shape) {
       d = r.get<int64_t>("dimension");
       DT_CHECK(d >= 0 && d < (int64_t{1} << 40), "model", "{}: tensor '{}': bad dimension {}", path, name, d);
+      // The element count must fit, or the byte count below could wrap around.
+      DT_CHECK(d == 0 || numel <= (int64_t{1} << 40) / d, "model", "{}: tensor '{}': more than 2^40 elements", path,
+               name);
+      numel *= d;
     }
     const auto nbytes = r.get<uint64_t>("byte count");
     const auto dt = static_cast<DType>(dtype);

@@ -53,6 +53,16 @@ class Checkpointer {
   nlohmann::json layout_;
 };
 
+/// A file a manifest lists.
+struct ManifestFile {
+  std::string name;
+  std::string sha256;
+};
+/// Checks a manifest's text for `step` and `layout`; empty when valid (and fills `files`),
+/// else what is wrong. Never throws on malformed input.
+std::string parse_manifest(const std::string& text, int64_t step, const nlohmann::json& layout,
+                           std::vector<ManifestFile>* files);
+
 /// Step directories under `dir`, newest first (for tools and tests).
 std::vector<int64_t> checkpoint_steps(const std::string& dir);
 /// Checks one step's manifest and files; empty when complete, else what is wrong.

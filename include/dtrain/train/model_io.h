@@ -27,6 +27,8 @@ std::string encode_model(const ModelFile& file);
 void write_file_atomic(const std::string& path, const std::string& bytes);
 /// Throws dtrain::Error naming the file for a missing, truncated, corrupted or foreign file.
 ModelFile load_model(const std::string& path);
+/// The same for a file's bytes; `where` names them in errors.
+ModelFile decode_model(const std::string& bytes, const std::string& where);
 
 /// SHA-256 (hex) of the tensors' values as little-endian f32, in the given order.
 std::string params_digest(const std::vector<nn::NamedTensor>& tensors);
