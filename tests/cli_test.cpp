@@ -298,6 +298,8 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   const std::vector<Case> cases = {{"kill rank 1 at step 7", "kill:rank=1:step=7"},
                                    {"kill rank 0 while it writes the step 8 checkpoint",
                                     "kill:rank=0:step=8:phase=checkpoint"},
+                                   {"kill rank 1 while rank 0 is in the step 6 all_reduce",
+                                    "kill:rank=1:step=6:phase=allreduce"},
                                    {"two faults on two starts", "kill:rank=1:step=3,kill:rank=0:step=10:attempt=1"}};
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = path("ckpt" + std::to_string(i)), metrics = path("f" + std::to_string(i) + ".jsonl");

@@ -251,14 +251,17 @@ std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> loca
 }
 
 // DTRAIN_FAULT: faults to inject, for tests and demonstrations. A comma-separated list of
-// kill:rank=R:step=S[:phase=step|checkpoint][:attempt=A]: rank R kills itself with SIGKILL
-// when it starts step S (1-based), or, with phase=checkpoint, in the middle of writing the
-// checkpoint of step S (its file written, the manifest not yet); only on start A of the job
-// (DTRAIN_RESTART, default 0), so that a restarted job runs through.
+// kill:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A]: rank R kills itself with
+// SIGKILL when it starts step S (1-based); with phase=allreduce, after its backward, when the
+// other ranks are in (or entering) the gradient all_reduce; with phase=checkpoint, in the
+// middle of writing the checkpoint of step S (its file written, the manifest not yet). Only on
+// start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through.
+enum class FaultPhase { step, allreduce, checkpoint };
+
 struct Fault {
   int rank = -1;
   int64_t step = -1;
-  bool in_checkpoint = false;
+  FaultPhase phase = FaultPhase::step;
   int attempt = 0;
 };
 
@@ -292,13 +295,16 @@ std::vector<Fault> faults_from_env(int rank) {
           f.step = std::stoll(value);
         } else if (key == "attempt") {
           f.attempt = std::stoi(value);
-        } else if (key == "phase" && (value == "step" || value == "checkpoint")) {
-          f.in_checkpoint = value == "checkpoint";
+        } else if (key == "phase" && (value == "step" || value == "allreduce" || value == "checkpoint")) {
+          f.phase = value == "step" ? FaultPhase::step
+                                    : (value == "allreduce" ? FaultPhase::allreduce : FaultPhase::checkpoint);
         } else {
           throw std::invalid_argument(part);
         }
       } catch (const std::exception&) {
-        DT_THROW("train", "DTRAIN_FAULT '{}': cannot read '{}' (expected kill:rank=R:step=S[:phase=step|checkpoint][:attempt=A])",
+        DT_THROW("train",
+                 "DTRAIN_FAULT '{}': cannot read '{}' (expected "
+                 "kill:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A])",
                  spec, part);
       }
     }
@@ -309,11 +315,12 @@ std::vector<Fault> faults_from_env(int rank) {
   return out;
 }
 
-void maybe_fail(const std::vector<Fault>& faults, int64_t step, bool in_checkpoint) {
+void maybe_fail(const std::vector<Fault>& faults, int64_t step, FaultPhase phase) {
+  static const char* const where[] = {"", " before its gradient all_reduce", " during its checkpoint write"};
   for (const Fault& f : faults) {
-    if (f.step == step && f.in_checkpoint == in_checkpoint) {
+    if (f.step == step && f.phase == phase) {
       DT_LOG_WARN("DTRAIN_FAULT: killing this rank (pid {}) at step {}{}", ::getpid(), step,
-                  in_checkpoint ? " during its checkpoint write" : "");
+                  where[static_cast<int>(phase)]);
       ::raise(SIGKILL);
     }
   }
@@ -465,7 +472,7 @@ TrainResult run_training(const TrainConfig& cfg) {
   RankFigures fig;
   int64_t stat_steps = 0;
   for (int64_t step = start_step; step < total_steps; ++step) {
-    maybe_fail(faults, step + 1, false);
+    maybe_fail(faults, step + 1, FaultPhase::step);
     const int64_t e = step / steps_per_epoch;
     if (e != epoch) {
       epoch = e;
@@ -520,6 +527,7 @@ TrainResult run_training(const TrainConfig& cfg) {
       compute_time += seconds_since(tm, tb);
     }
     step_loss /= static_cast<double>(micro_steps);
+    maybe_fail(faults, step + 1, FaultPhase::allreduce);
     const auto ts = Clock::now();
     if (ddp) {
       ddp->synchronize();
@@ -572,7 +580,7 @@ TrainResult run_training(const TrainConfig& cfg) {
       shard.params = model->named_parameters();
       shard.optimizer = optimizer->state();
       shard.counters = optimizer->counters();
-      ckpt->save(shard, [&] { maybe_fail(faults, step + 1, true); });
+      ckpt->save(shard, [&] { maybe_fail(faults, step + 1, FaultPhase::checkpoint); });
       trace.span("checkpoint", -1, 0, t1, Clock::now(), step + 1);
     }
     if (ddp) trace.span("synchronize", -1, 0, ts, to, step + 1);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <ctime>
 #include <cstdlib>
 
 #include "dtrain/core/error.h"
@@ -74,7 +75,16 @@ int run_launch(const launch::LaunchOptions& opts) {
     const launch::LaunchResult r = launch::run_launch(opts);
     if (r.exit_code == 0) return 0;
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::fprintf(stderr, "dtrain launch: job failed after %.1f s:\n%s", s, r.report.c_str());
+    // Wall-clock time (as in the workers' log lines), so that detection can be measured.
+    const auto now = std::chrono::system_clock::now();
+    const std::time_t tt = std::chrono::system_clock::to_time_t(now);
+    std::tm tm{};
+    ::localtime_r(&tt, &tm);
+    char stamp[32];
+    std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M:%S", &tm);
+    const int ms = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+    std::fprintf(stderr, "dtrain launch: [%s.%03d] job failed after %.1f s:\n%s", stamp, ms, s, r.report.c_str());
     if (attempt >= opts.max_restarts) return r.exit_code;
     std::fprintf(stderr, "dtrain launch: restarting all %d workers (restart %d of %d)\n", opts.nproc_per_node,
                  attempt + 1, opts.max_restarts);
