@@ -7,9 +7,10 @@ Trains the MLP with --dp 4 once without faults, then once per scheduled fault (a
 three faults on three successive starts) with --checkpoint-every, --max-restarts 3 and
 DTRAIN_FAULT. Every faulty run must finish with exactly the fault-free run's parameters
 (params_digest). Per fault it reports:
-  detect_ms   from the killed rank's last log line to the launcher's "job failed" line
-  restart_s   from that line to the restarted job's "resumed from" line (new processes,
-              rendezvous, checkpoint load)
+  detect_ms   from the killed rank's last log line to the launcher's "job failed" line (the
+              launcher sees the death at once; the line comes after it stopped the other ranks)
+  restart_s   from that line to the restarted job's start line (new processes, rendezvous,
+              checkpoint load)
   lost_steps  optimizer steps done before the fault that the restart computes again
 Results: bench/results/fault_campaign.json.
 """
@@ -78,8 +79,16 @@ def main():
             kills = [(t(m.group(1)), int(m.group(2))) for m in
                      re.finditer(STAMP + r"\] \[warning\] DTRAIN_FAULT: killing this rank \(pid \d+\) at step (\d+)", out)]
             fails = [t(m.group(1)) for m in re.finditer(r"dtrain launch: \[" + STAMP + r"\] job failed", out)]
-            resumes = [(t(m.group(1)), int(m.group(2))) for m in
+            resumed = [(t(m.group(1)), int(m.group(2))) for m in
                        re.finditer(STAMP + r"\] \[info\] resumed from .*?/step-(\d+)", out)]
+            starts = [t(m.group(1)) for m in re.finditer(STAMP + r"\] \[info\] training ", out)]
+            # Per restart: when the new job was up (its "training" line), and the step it resumed
+            # from (0 when no checkpoint existed yet).
+            resumes = []
+            for f_t in fails:
+                up = min((s_t for s_t in starts if s_t > f_t), default=float("nan"))
+                step = max((st for r_t, st in resumed if f_t < r_t <= up), default=0)
+                resumes.append((up, step))
             ok = final["params_digest"] == ref["params_digest"]
             for k, (kill_t, kill_step) in enumerate(kills):
                 detect = (fails[k] - kill_t) * 1e3 if k < len(fails) else float("nan")
