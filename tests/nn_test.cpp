@@ -18,15 +18,7 @@ using test::throws_with;
 
 namespace {
 
-nn::GptConfig small_gpt_config() {
-  nn::GptConfig cfg;
-  cfg.vocab = 256;
-  cfg.seq_len = 8;
-  cfg.layers = 2;
-  cfg.heads = 2;
-  cfg.width = 16;
-  return cfg;
-}
+nn::GptConfig small_gpt_config() { return {.vocab = 256, .seq_len = 8, .layers = 2, .heads = 2, .width = 16}; }
 
 // Token ids (B, T) in [0, vocab), fixed by seed.
 Tensor token_ids(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {

@@ -120,15 +120,7 @@ TEST(Mesh, CoordinatesRoundTripAndAxisGroupsHaveTheRightMembers) {
   });
 }
 
-nn::GptConfig small_gpt() {
-  nn::GptConfig c;
-  c.layers = 4;
-  c.heads = 2;
-  c.width = 16;
-  c.seq_len = 8;
-  c.vocab = 32;
-  return c;
-}
+nn::GptConfig small_gpt() { return {.vocab = 32, .seq_len = 8, .layers = 4, .heads = 2, .width = 16}; }
 
 constexpr int64_t kMicro = 2;  // sequences per micro-batch
 

@@ -61,14 +61,7 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 nn::GptConfig small_config(float dropout = 0.0f) {
-  nn::GptConfig cfg;
-  cfg.vocab = 256;
-  cfg.seq_len = 16;
-  cfg.layers = 2;
-  cfg.heads = 4;
-  cfg.width = 32;
-  cfg.dropout = dropout;
-  return cfg;
+  return {.vocab = 256, .seq_len = 16, .layers = 2, .heads = 4, .width = 32, .dropout = dropout};
 }
 
 // ---- tp_copy / tp_reduce on exactly representable values ----
