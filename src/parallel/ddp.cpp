@@ -340,6 +340,58 @@ void DataParallel::gather_parameters() {
   for (auto& w : works) w.wait();
 }
 
+std::vector<Tensor> DataParallel::gather_pieces(const std::vector<Tensor>& pieces) const {
+  Impl& d = *impl_;
+  DT_CHECK(d.options.zero > 0 && pieces.size() == d.buckets.size(), "ddp",
+           "gather_pieces: {} pieces for {} buckets (ZeRO {})", pieces.size(), d.buckets.size(), d.options.zero);
+  std::vector<Tensor> out(d.params.size());
+  for (size_t j = 0; j < d.buckets.size(); ++j) {
+    const Impl::Bucket& b = d.buckets[j];
+    const size_t piece = d.piece_of(b);
+    Tensor mine = pieces[j].contiguous();
+    DT_CHECK(static_cast<size_t>(mine.numel()) == piece, "ddp", "gather_pieces: bucket {} piece has {} elements, not {}",
+             j, mine.numel(), piece);
+    Tensor whole = Tensor::empty({static_cast<int64_t>(b.padded)});
+    d.group.all_gather(mine.data(), whole.data(), piece, DataType::f32);
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const Tensor& p = d.params[b.params[i]].second;
+      out[b.params[i]] = whole.slice(0, static_cast<int64_t>(b.offsets[i]), static_cast<int64_t>(b.offsets[i]) + p.numel())
+                             .reshape(p.shape())
+                             .contiguous();
+    }
+  }
+  return out;
+}
+
+std::vector<Tensor> DataParallel::scatter_pieces(const std::vector<Tensor>& per_param) const {
+  Impl& d = *impl_;
+  DT_CHECK(d.options.zero > 0 && per_param.size() == d.params.size(), "ddp",
+           "scatter_pieces: {} tensors for {} parameters (ZeRO {})", per_param.size(), d.params.size(), d.options.zero);
+  std::vector<Tensor> out;
+  const size_t rank = static_cast<size_t>(d.group.rank());
+  for (const Impl::Bucket& b : d.buckets) {
+    const size_t piece = d.piece_of(b), lo = rank * piece, hi = lo + piece;
+    Tensor t = Tensor::zeros({static_cast<int64_t>(piece)});
+    float* dst = t.data();
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const Tensor& src = per_param[b.params[i]];
+      if (!src.defined()) continue;
+      DT_CHECK(src.shape() == d.params[b.params[i]].second.shape(), "ddp", "scatter_pieces: '{}' has shape {}, not {}",
+               d.params[b.params[i]].first, shape_str(src.shape()), shape_str(d.params[b.params[i]].second.shape()));
+      const std::vector<float> v = src.to_vector();
+      const size_t begin = b.offsets[i], end = begin + v.size();
+      for (size_t e = std::max(begin, lo); e < std::min(end, hi); ++e) dst[e - lo] = v[e - begin];
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+size_t DataParallel::piece_holding(size_t index) const {
+  DT_CHECK(index < impl_->where.size(), "ddp", "parameter {} of {}", index, impl_->where.size());
+  return impl_->where[index].first;
+}
+
 void DataParallel::zero_grad() {
   for (auto& [name, t] : impl_->params) t.zero_grad();
   for (auto& b : impl_->buckets) {

@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kFormat = "dtrain-checkpoint";
-constexpr int kVersion = 1;
+constexpr int kVersion = 2;  // 2: optimizer state per parameter name (any data-parallel layout)
 constexpr size_t kHex = 64;  // SHA-256 as hex
 constexpr const char* kOptimPrefix = "optimizer/";
 
@@ -47,8 +47,8 @@ std::vector<int64_t> checkpoint_steps(const std::string& dir) {
   return steps;
 }
 
-std::string parse_manifest(const std::string& text, int64_t step, const nlohmann::json& layout,
-                           std::vector<ManifestFile>* files) {
+std::string parse_manifest(const std::string& text, int64_t step, const nlohmann::json& compatible,
+                           std::vector<ManifestFile>* files, nlohmann::json* layout) {
   if (text.empty()) return "no manifest (the write did not complete)";
   const nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
   if (m.is_discarded() || !m.is_object()) return "manifest.json is not valid JSON";
@@ -60,9 +60,16 @@ std::string parse_manifest(const std::string& text, int64_t step, const nlohmann
   const auto s = m.find("step");
   if (s == m.end() || !s->is_number_integer() || s->get<int64_t>() != step) return "manifest.json names another step";
   const auto l = m.find("layout");
-  if (l == m.end() || *l != layout) {
-    return fmt::format("written with layout {}, this run is {} (resharding is not supported yet)",
-                       l == m.end() ? "?" : l->dump(), layout.dump());
+  if (l == m.end() || !l->is_object()) return "manifest.json has no layout";
+  if (compatible.is_object()) {
+    for (const auto& [key, want] : compatible.items()) {
+      const auto got = l->find(key);
+      if (got == l->end() || *got != want) {
+        return fmt::format(
+            "written with {} {}, this run has {} (only the data-parallel and pipeline layout may change)", key,
+            got == l->end() ? "?" : got->dump(), want.dump());
+      }
+    }
   }
   const auto fl = m.find("files");
   if (fl == m.end() || !fl->is_array() || fl->empty()) return "manifest.json lists no files";
@@ -79,13 +86,15 @@ std::string parse_manifest(const std::string& text, int64_t step, const nlohmann
     out.push_back({name, f["sha256"].get<std::string>()});
   }
   if (files != nullptr) *files = std::move(out);
+  if (layout != nullptr) *layout = *l;
   return {};
 }
 
-std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& layout) {
+std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& compatible,
+                              nlohmann::json* layout) {
   const std::string sd = step_dir(dir, step);
   std::vector<ManifestFile> files;
-  const std::string bad = parse_manifest(read_file(sd + "/manifest.json"), step, layout, &files);
+  const std::string bad = parse_manifest(read_file(sd + "/manifest.json"), step, compatible, &files, layout);
   if (!bad.empty()) return bad;
   for (const ManifestFile& f : files) {
     const std::string bytes = read_file(sd + "/" + f.name);
@@ -114,8 +123,11 @@ void Checkpointer::save(const CheckpointShard& shard, const std::function<void()
   fs::create_directories(sd, ec);
   DT_CHECK(!ec, "checkpoint", "{}: cannot create: {}", sd, ec.message());
   ModelFile file;
-  nlohmann::json meta{
-      {"step", shard.step}, {"rank", rank}, {"counters", shard.counters}, {"params", shard.params.size()}};
+  nlohmann::json meta{{"step", shard.step},
+                      {"rank", rank},
+                      {"step_count", shard.step_count},
+                      {"param_steps", shard.param_steps},
+                      {"params", shard.params.size()}};
   file.metadata = meta.dump();
   file.tensors = shard.params;
   for (const auto& [name, t] : shard.optimizer) file.tensors.emplace_back(kOptimPrefix + name, t);
@@ -155,30 +167,52 @@ void Checkpointer::save(const CheckpointShard& shard, const std::function<void()
   if (world_ != nullptr) world_->barrier();
 }
 
-std::optional<CheckpointShard> Checkpointer::load_latest() {
+std::optional<CheckpointFound> Checkpointer::latest(const nlohmann::json& compatible) {
   const int rank = world_ != nullptr ? world_->rank() : 0;
   int64_t chosen = -1;
+  std::string foreign;
   if (rank == 0) {
     for (int64_t s : checkpoint_steps(dir_)) {
-      const std::string damage = checkpoint_damage(dir_, s, layout_);
+      const std::string damage = checkpoint_damage(dir_, s, compatible);
       if (damage.empty()) {
         chosen = s;
+        break;
+      }
+      // A complete checkpoint of another model or optimizer is not damage: starting over next
+      // to it (and pruning it later) would lose it, so that is an error.
+      if (checkpoint_damage(dir_, s, nlohmann::json::object()).empty()) {
+        foreign = fmt::format("{} holds a checkpoint this run cannot continue: {}; use another --checkpoint-dir",
+                              step_dir(dir_, s), damage);
+        chosen = -2;
         break;
       }
       DT_LOG_WARN("checkpoint {} is not usable: {}; trying an older one", step_dir(dir_, s), damage);
     }
   }
   if (world_ != nullptr) world_->broadcast(&chosen, 1, comm::DataType::i64, 0);
+  DT_CHECK(chosen != -2, "checkpoint", "{}",
+           rank == 0 ? foreign : "rank 0 found a checkpoint of another run (see its error)");
   if (chosen < 0) return std::nullopt;
-  const std::string path = step_dir(dir_, chosen) + "/" + rank_file(rank);
+  CheckpointFound found;
+  found.step = chosen;
+  const std::string bad =
+      parse_manifest(read_file(step_dir(dir_, chosen) + "/manifest.json"), chosen, compatible, nullptr, &found.layout);
+  DT_CHECK(bad.empty(), "checkpoint", "{}: {}", step_dir(dir_, chosen), bad);
+  return found;
+}
+
+CheckpointShard Checkpointer::read(int64_t step, int rank) const {
+  const std::string path = step_dir(dir_, step) + "/" + rank_file(rank);
   const ModelFile file = load_model(path);
   const nlohmann::json meta = nlohmann::json::parse(file.metadata, nullptr, false);
-  DT_CHECK(meta.is_object() && meta.value("step", int64_t{-1}) == chosen && meta.value("rank", -1) == rank &&
-               meta.contains("counters") && meta["counters"].is_array() && meta.contains("params"),
-           "checkpoint", "{}: metadata does not describe rank {} at step {}", path, rank, chosen);
+  DT_CHECK(meta.is_object() && meta.value("step", int64_t{-1}) == step && meta.value("rank", -1) == rank &&
+               meta.contains("step_count") && meta.contains("param_steps") && meta["param_steps"].is_object() &&
+               meta.contains("params"),
+           "checkpoint", "{}: metadata does not describe rank {} at step {}", path, rank, step);
   CheckpointShard shard;
-  shard.step = chosen;
-  shard.counters = meta["counters"].get<std::vector<int64_t>>();
+  shard.step = step;
+  shard.step_count = meta["step_count"].get<int64_t>();
+  shard.param_steps = meta["param_steps"].get<std::map<std::string, int64_t>>();
   const size_t n_params = meta["params"].get<size_t>();
   DT_CHECK(n_params <= file.tensors.size(), "checkpoint", "{}: {} parameters listed, {} tensors stored", path, n_params,
            file.tensors.size());

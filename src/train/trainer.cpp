@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -326,6 +327,101 @@ void maybe_fail(const std::vector<Fault>& faults, int64_t step, FaultPhase phase
   }
 }
 
+// Checkpoints hold the optimizer state per parameter name ("exp_avg/h0.qkv.weight"), whole
+// even under ZeRO, so that another data-parallel or pipeline layout can load it.
+CheckpointShard checkpoint_shard(int64_t step, const nn::Model& model, const optim::Optimizer& optimizer,
+                                 const parallel::DataParallel* ddp) {
+  CheckpointShard shard;
+  shard.step = step;
+  shard.params = model.named_parameters();
+  const bool zero = ddp != nullptr && ddp->optimizer_params().size() != shard.params.size();
+  const size_t slots = optimizer.params().size();
+  // state() names are "KIND.INDEX" over the optimizer's parameters (ZeRO: bucket pieces).
+  std::map<std::string, std::vector<Tensor>> kinds;
+  for (const auto& [name, t] : optimizer.state()) {
+    const size_t dot = name.rfind('.');
+    DT_CHECK(dot != std::string::npos, "checkpoint", "optimizer state '{}' has no index", name);
+    auto& v = kinds[name.substr(0, dot)];
+    v.resize(slots);
+    v.at(std::stoul(name.substr(dot + 1))) = t;
+  }
+  for (auto& [kind, v] : kinds) {
+    if (zero) {
+      for (size_t j = 0; j < v.size(); ++j) {
+        if (!v[j].defined()) v[j] = Tensor::zeros(optimizer.params()[j].shape());
+      }
+      v = ddp->gather_pieces(v);  // collective over the replicas; kinds in the same order everywhere
+    }
+    for (size_t k = 0; k < v.size(); ++k) {
+      if (v[k].defined()) shard.optimizer.emplace_back(kind + "/" + shard.params[k].first, v[k]);
+    }
+  }
+  const std::vector<int64_t> counters = optimizer.counters();
+  shard.step_count = counters.at(0);
+  if (counters.size() > 1) {
+    for (size_t k = 0; k < shard.params.size(); ++k) {
+      shard.param_steps[shard.params[k].first] = counters.at(1 + (zero ? ddp->piece_holding(k) : k));
+    }
+  }
+  return shard;
+}
+
+// Loads a checkpoint written by any data-parallel / pipeline / ZeRO layout: this rank's
+// parameters by name from the shards of the writer's first replica (its stages with this
+// rank's tensor-parallel coordinate), its optimizer state cut to this layout.
+void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, nn::Model& model,
+                        optim::Optimizer& optimizer, const parallel::DataParallel* ddp, const parallel::MeshCoord& coord) {
+  const nlohmann::json& lay = found.layout;
+  const parallel::MeshShape old{lay.at("dp").get<int>(), lay.at("pp").get<int>(), lay.at("tp").get<int>()};
+  std::map<std::string, Tensor> params, state;
+  std::map<std::string, int64_t> steps;
+  int64_t step_count = 0;
+  for (int s = 0; s < old.pp; ++s) {
+    CheckpointShard shard = ckpt.read(found.step, parallel::mesh_rank(old, {0, s, coord.tp}));
+    for (auto& [name, t] : shard.params) params[name] = t;
+    for (auto& [name, t] : shard.optimizer) state[name] = t;
+    for (auto& [name, n] : shard.param_steps) steps[name] = n;
+    step_count = shard.step_count;
+  }
+  auto named = model.named_parameters();
+  NoGradGuard no_grad;
+  for (auto& [name, p] : named) {
+    auto it = params.find(name);
+    DT_CHECK(it != params.end() && it->second.shape() == p.shape(), "train",
+             "checkpoint step {} has no parameter '{}' of shape {}", found.step, name, shape_str(p.shape()));
+    p.copy_from(it->second);
+  }
+  // The state kinds, and per kind one tensor per parameter of this rank (undefined: none).
+  std::map<std::string, std::vector<Tensor>> kinds;
+  for (const auto& [key, t] : state) {
+    const size_t slash = key.find('/');
+    kinds[key.substr(0, slash)].resize(named.size());
+  }
+  for (auto& [kind, v] : kinds) {
+    for (size_t k = 0; k < named.size(); ++k) {
+      auto it = state.find(kind + "/" + named[k].first);
+      if (it != state.end()) v[k] = it->second;
+    }
+  }
+  const bool zero = ddp != nullptr && ddp->optimizer_params().size() != named.size();
+  std::vector<nn::NamedTensor> loaded;
+  for (auto& [kind, v] : kinds) {
+    if (zero) v = ddp->scatter_pieces(v);
+    for (size_t j = 0; j < v.size(); ++j) {
+      if (v[j].defined()) loaded.emplace_back(kind + "." + std::to_string(j), v[j]);
+    }
+  }
+  std::vector<int64_t> counters{step_count};
+  if (!steps.empty()) {
+    counters.resize(1 + optimizer.params().size(), 0);
+    for (size_t k = 0; k < named.size(); ++k) {
+      const size_t slot = zero ? ddp->piece_holding(k) : k;
+      counters[1 + slot] = std::max(counters[1 + slot], steps.count(named[k].first) ? steps[named[k].first] : 0);
+    }
+  }
+  optimizer.load_state(loaded, counters);
+}
+
 // Per-rank figures every rank contributes to the final record.
 struct RankFigures {
   double bubble = 0.0, step_s = 0.0, busy_s = 0.0;
@@ -407,21 +503,17 @@ TrainResult run_training(const TrainConfig& cfg) {
                           {"stages", nlohmann::json::array()}};
     for (const auto& r : stages) layout["stages"].push_back({r.begin, std::min(r.end, size_t{1} << 30)});
     ckpt = std::make_unique<Checkpointer>(cfg.checkpoint_dir, cfg.keep, group.get(), layout);
-    if (auto shard = ckpt->load_latest()) {
-      auto params = model->named_parameters();
-      DT_CHECK(shard->params.size() == params.size(), "train", "checkpoint step {} holds {} parameters, the model {}",
-               shard->step, shard->params.size(), params.size());
-      NoGradGuard no_grad;
-      for (size_t i = 0; i < params.size(); ++i) {
-        DT_CHECK(shard->params[i].first == params[i].first && shard->params[i].second.shape() == params[i].second.shape(),
-                 "train", "checkpoint step {}: parameter {} is '{}' {} but the model has '{}' {}", shard->step, i,
-                 shard->params[i].first, shape_str(shard->params[i].second.shape()), params[i].first,
-                 shape_str(params[i].second.shape()));
-        params[i].second.copy_from(shard->params[i].second);
+    // Any data-parallel / pipeline / ZeRO layout may resume it; model, optimizer and tp must agree.
+    const nlohmann::json compatible{{"model", layout["model"]}, {"optimizer", cfg.optimizer}, {"tp", cfg.tp}};
+    if (auto found = ckpt->latest(compatible)) {
+      restore_checkpoint(*ckpt, *found, *model, *optimizer, ddp.get(), coord);
+      start_step = found->step;
+      if (lead) {
+        DT_LOG_INFO("resumed from {}/step-{:08d}: {} steps done{}", cfg.checkpoint_dir, start_step, start_step,
+                    found->layout != layout ? fmt::format(" (written by dp {} x pp {}, zero {})", found->layout["dp"].dump(),
+                                                          found->layout["pp"].dump(), found->layout["zero"].dump())
+                                            : std::string());
       }
-      optimizer->load_state(shard->optimizer, shard->counters);
-      start_step = shard->step;
-      if (lead) DT_LOG_INFO("resumed from {}/step-{:08d}: {} steps done", cfg.checkpoint_dir, start_step, start_step);
     }
   }
   const int64_t batch = cfg.batch_size;
@@ -575,11 +667,7 @@ TrainResult run_training(const TrainConfig& cfg) {
     optimizer->zero_grad();
     const auto t1 = Clock::now();
     if (ckpt && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) {
-      CheckpointShard shard;
-      shard.step = step + 1;
-      shard.params = model->named_parameters();
-      shard.optimizer = optimizer->state();
-      shard.counters = optimizer->counters();
+      CheckpointShard shard = checkpoint_shard(step + 1, *model, *optimizer, ddp.get());
       ckpt->save(shard, [&] { maybe_fail(faults, step + 1, FaultPhase::checkpoint); });
       trace.span("checkpoint", -1, 0, t1, Clock::now(), step + 1);
     }

@@ -95,6 +95,16 @@ class DataParallel {
   std::vector<Tensor> optimizer_params() const;
   /// ZeRO, collective, after the optimizer step: every rank gets every updated piece.
   void gather_parameters();
+
+  /// ZeRO, collective (checkpoints): from one tensor per optimizer_params() entry (this rank's
+  /// piece of a bucket, e.g. an optimizer state), the whole tensor of every parameter, in
+  /// parameter order, shaped like the parameter.
+  std::vector<Tensor> gather_pieces(const std::vector<Tensor>& pieces) const;
+  /// ZeRO, the inverse: this rank's piece of every bucket from whole per-parameter tensors
+  /// (undefined ones count as zeros).
+  std::vector<Tensor> scatter_pieces(const std::vector<Tensor>& per_param) const;
+  /// ZeRO: the optimizer_params() entry (bucket) that holds parameter `index`.
+  size_t piece_holding(size_t index) const;
   /// Drops the synchronised gradients (model and shards).
   void zero_grad();
 

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -24,25 +25,38 @@
 
 namespace dtrain::train {
 
-/// One rank's part of a checkpoint.
+/// One rank's part of a checkpoint, in a form that does not depend on the data-parallel layout
+/// (so that it can be loaded into another one).
 struct CheckpointShard {
-  int64_t step = 0;                        // optimizer steps completed
-  std::vector<nn::NamedTensor> params;     // this rank's parameters (its stage, its shard)
-  std::vector<nn::NamedTensor> optimizer;  // its optimizer's state()
-  std::vector<int64_t> counters;           // its optimizer's counters()
+  int64_t step = 0;                     // optimizer steps completed
+  std::vector<nn::NamedTensor> params;  // this rank's parameters (its stage, its shard)
+  /// Optimizer state per parameter, named "KIND/PARAM" (e.g. "exp_avg/h0.qkv.weight"), shaped
+  /// like the parameter (whole, even under ZeRO).
+  std::vector<nn::NamedTensor> optimizer;
+  int64_t step_count = 0;                      // the optimizer's steps
+  std::map<std::string, int64_t> param_steps;  // per-parameter step counts (AdamW), by name
+};
+
+/// Where the newest complete checkpoint is, and the layout that wrote it.
+struct CheckpointFound {
+  int64_t step = 0;
+  nlohmann::json layout;
 };
 
 class Checkpointer {
  public:
-  /// `world` may be null (one process). `layout` is compared on load (JSON object).
+  /// `world` may be null (one process). `layout` goes into every manifest (JSON object).
   Checkpointer(std::string dir, int keep, comm::Group* world, nlohmann::json layout);
 
   /// Collective. `before_commit` runs on every rank after its file is written and before the
   /// manifest (fault injection: a crash there must leave the previous checkpoint in charge).
   void save(const CheckpointShard& shard, const std::function<void()>& before_commit = nullptr);
 
-  /// Collective: this rank's shard of the newest complete checkpoint, or nothing.
-  std::optional<CheckpointShard> load_latest();
+  /// Collective: the newest complete checkpoint whose layout agrees with this run's on the
+  /// keys of `compatible` (e.g. model, optimizer, tp), or nothing.
+  std::optional<CheckpointFound> latest(const nlohmann::json& compatible);
+  /// The shard rank `rank` wrote at `step` (any rank may read any shard).
+  CheckpointShard read(int64_t step, int rank) const;
 
   const std::string& dir() const { return dir_; }
 
@@ -58,14 +72,16 @@ struct ManifestFile {
   std::string name;
   std::string sha256;
 };
-/// Checks a manifest's text for `step` and `layout`; empty when valid (and fills `files`),
-/// else what is wrong. Never throws on malformed input.
-std::string parse_manifest(const std::string& text, int64_t step, const nlohmann::json& layout,
-                           std::vector<ManifestFile>* files);
+/// Checks a manifest's text for `step` and a layout that agrees with `compatible` on its keys;
+/// empty when valid (and fills `files` and `layout`), else what is wrong. Never throws on
+/// malformed input.
+std::string parse_manifest(const std::string& text, int64_t step, const nlohmann::json& compatible,
+                           std::vector<ManifestFile>* files, nlohmann::json* layout = nullptr);
 
 /// Step directories under `dir`, newest first (for tools and tests).
 std::vector<int64_t> checkpoint_steps(const std::string& dir);
 /// Checks one step's manifest and files; empty when complete, else what is wrong.
-std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& layout);
+std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& compatible,
+                              nlohmann::json* layout = nullptr);
 
 }  // namespace dtrain::train
