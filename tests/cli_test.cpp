@@ -344,7 +344,7 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
 // A checkpoint written by one data-parallel / pipeline / ZeRO layout resumes in another, with
 // the optimizer state (SGD momentum here) cut to the new layout: the result matches the
 // uninterrupted run within float tolerance.
-TEST_F(Cli, ACheckpointResumesInAnotherLayout) {
+TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
   const std::string mlp = "train --model mlp --hidden 64,64 --batch-size 48 --optimizer sgd --lr 0.05 --progress=false";
   ProcessResult ref = dtrain(mlp + " --dp 4 --steps 12 --save " + path("ref.dtm"));
   ASSERT_EQ(ref.code, 0) << ref.output;
@@ -366,6 +366,18 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayout) {
     ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + out);
     EXPECT_EQ(d.code, 0) << cases[i].from << " -> " << cases[i].to << ": " << d.output;
   }
+  // Elastic: rank 3 dies on every start; after two starts in a row the launcher goes on with 3
+  // workers, which resume the dp 4 checkpoint as 3 replicas with the same global batch.
+  ::setenv("DTRAIN_FAULT", "kill:rank=3:step=6:attempt=any", 1);
+  ProcessResult el = dtrain(mlp + " --dp 4 --steps 12 --checkpoint-dir " + path("el") +
+                            " --checkpoint-every 4 --max-restarts 3 --min-workers 2 --save " + path("el.dtm"), 300);
+  ::unsetenv("DTRAIN_FAULT");
+  ASSERT_EQ(el.code, 0) << el.output;
+  EXPECT_NE(el.output.find("continuing with 3 workers"), std::string::npos) << el.output;
+  EXPECT_NE(el.output.find("3 data-parallel replicas instead of 4 (global batch 48 kept)"), std::string::npos)
+      << el.output;
+  ProcessResult de = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + path("el.dtm"));
+  EXPECT_EQ(de.code, 0) << de.output;
   // Another model (or optimizer, or tensor-parallel size) is refused, naming both, and nothing
   // is trained (or pruned) next to the other run's checkpoints.
   ProcessResult bad = dtrain("train --model mlp --hidden 32 --batch-size 48 --steps 12 --progress=false --checkpoint-dir " +

@@ -67,6 +67,9 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"keep", &c.keep, "complete checkpoints to keep"},
       {"max-restarts", &c.max_restarts,
        "when a worker fails, restart all workers from the last complete checkpoint up to this many times"},
+      {"min-workers", &c.min_workers,
+       "elastic: when a worker fails on two starts in a row, go on with fewer data-parallel replicas as long as "
+       "this many processes remain (0 = never; global batch kept)"},
       {"trace", &c.trace, "write a Chrome/Perfetto trace (JSON) of forward, backward, communication, optimizer"},
       {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
       {"threads", &c.threads, "BLAS threads per process"},

@@ -256,7 +256,8 @@ std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> loca
 // SIGKILL when it starts step S (1-based); with phase=allreduce, after its backward, when the
 // other ranks are in (or entering) the gradient all_reduce; with phase=checkpoint, in the
 // middle of writing the checkpoint of step S (its file written, the manifest not yet). Only on
-// start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through.
+// start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through;
+// attempt=any fires on every start (a worker that cannot come back).
 enum class FaultPhase { step, allreduce, checkpoint };
 
 struct Fault {
@@ -295,7 +296,7 @@ std::vector<Fault> faults_from_env(int rank) {
         } else if (key == "step") {
           f.step = std::stoll(value);
         } else if (key == "attempt") {
-          f.attempt = std::stoi(value);
+          f.attempt = value == "any" ? -1 : std::stoi(value);
         } else if (key == "phase" && (value == "step" || value == "allreduce" || value == "checkpoint")) {
           f.phase = value == "step" ? FaultPhase::step
                                     : (value == "allreduce" ? FaultPhase::allreduce : FaultPhase::checkpoint);
@@ -305,13 +306,13 @@ std::vector<Fault> faults_from_env(int rank) {
       } catch (const std::exception&) {
         DT_THROW("train",
                  "DTRAIN_FAULT '{}': cannot read '{}' (expected "
-                 "kill:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A])",
+                 "kill:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A|any])",
                  spec, part);
       }
     }
     DT_CHECK(kill && f.rank >= 0 && f.step >= 1, "train",
              "DTRAIN_FAULT '{}': '{}' needs kill, rank=R and step=S (S >= 1)", spec, one);
-    if (f.rank == rank && f.attempt == attempt) out.push_back(f);
+    if (f.rank == rank && (f.attempt == attempt || f.attempt < 0)) out.push_back(f);
   }
   return out;
 }
@@ -431,7 +432,26 @@ struct RankFigures {
 
 }  // namespace
 
-TrainResult run_training(const TrainConfig& cfg) {
+TrainResult run_training(const TrainConfig& requested) {
+  TrainConfig cfg = requested;
+  // Elastic (--min-workers): the launcher went on with fewer workers after some could not come
+  // back; the data-parallel axis shrinks and the global batch stays (the checkpoint reshards).
+  if (const char* ws = std::getenv("WORLD_SIZE"); ws != nullptr && cfg.min_workers > 0) {
+    const int started = std::atoi(ws);
+    if (started < world_size(cfg) && started >= cfg.min_workers) {
+      const int per_replica = cfg.pp * cfg.tp;
+      DT_CHECK(started % per_replica == 0, "train", "elastic: {} workers do not form whole replicas of pp {} x tp {}",
+               started, cfg.pp, cfg.tp);
+      const int dp = started / per_replica;
+      DT_CHECK(cfg.batch_size % (dp * cfg.accumulate * cfg.micro_batches) == 0, "train",
+               "elastic: --batch-size {} does not split over {} replicas x --accumulate {} x --micro-batches {}",
+               cfg.batch_size, dp, cfg.accumulate, cfg.micro_batches);
+      DT_LOG_WARN("elastic: {} of {} workers, {} data-parallel replicas instead of {} (global batch {} kept)", started,
+                  world_size(cfg), dp, cfg.dp, cfg.batch_size);
+      cfg.dp = dp;
+      if (dp == 1) cfg.zero = 0;
+    }
+  }
   set_num_threads(cfg.threads);
   const auto origin = Clock::now();
   const int world = world_size(cfg);

@@ -1,5 +1,6 @@
 #include "commands.h"
 
+#include <algorithm>
 #include <chrono>
 #include <unistd.h>
 
@@ -20,7 +21,7 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   train::finalize(cfg);
   // Not started by a launcher: start dp x pp x tp copies of this very command.
   if ((train::world_size(cfg) > 1 || cfg.max_restarts > 0) && std::getenv("RANK") == nullptr) {
-    return launch_self(train::world_size(cfg), argv, true, cfg.max_restarts);
+    return launch_self(train::world_size(cfg), argv, true, cfg.max_restarts, cfg.min_workers);
   }
   const bool lead = std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
   const train::TrainResult r = train::run_training(cfg);
@@ -53,7 +54,7 @@ int run_diff(const DiffOptions& opts) {
   return ok ? 0 : 1;
 }
 
-int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output, int max_restarts) {
+int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output, int max_restarts, int min_workers) {
   char self[4096] = {};
   const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   DT_CHECK(len > 0, "launch", "cannot find this program's path (/proc/self/exe)");
@@ -61,13 +62,19 @@ int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output,
   lo.nproc_per_node = n;
   lo.prefix_output = prefix_output;
   lo.max_restarts = max_restarts;
+  lo.min_workers = min_workers;
   lo.command.push_back(std::string(self, static_cast<size_t>(len)));
   lo.command.insert(lo.command.end(), argv.begin() + 1, argv.end());
   return tools::run_launch(lo);
 }
 
-int run_launch(const launch::LaunchOptions& opts) {
+int run_launch(const launch::LaunchOptions& options) {
+  launch::LaunchOptions opts = options;
   DT_CHECK(opts.max_restarts >= 0, "launch", "--max-restarts {} must be non-negative", opts.max_restarts);
+  const int min_workers = opts.min_workers > 0 ? opts.min_workers : opts.nproc_per_node;
+  DT_CHECK(min_workers <= opts.nproc_per_node, "launch", "--min-workers {} is more than -n {}", min_workers,
+           opts.nproc_per_node);
+  std::vector<int> failed_before;  // ranks that failed on the previous start
   for (int attempt = 0;; ++attempt) {
     // Workers see which start this is (fault injection fires on one attempt only).
     ::setenv("DTRAIN_RESTART", std::to_string(attempt).c_str(), 1);
@@ -86,6 +93,24 @@ int run_launch(const launch::LaunchOptions& opts) {
         std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
     std::fprintf(stderr, "dtrain launch: [%s.%03d] job failed after %.1f s:\n%s", stamp, ms, s, r.report.c_str());
     if (attempt >= opts.max_restarts) return r.exit_code;
+    // Elastic: a worker slot that failed on two starts in a row does not come back; with
+    // --min-workers below -n the job goes on without it (workers resume from the checkpoint
+    // in the smaller layout).
+    std::vector<int> failed;
+    for (const auto& w : r.workers) {
+      if (!w.stopped_by_launcher && (w.signal != 0 || w.exit_code != 0)) failed.push_back(w.rank);
+    }
+    int lost = 0;
+    for (int rank : failed) lost += std::count(failed_before.begin(), failed_before.end(), rank) > 0 ? 1 : 0;
+    failed_before = failed;
+    if (lost > 0 && opts.nproc_per_node - lost >= min_workers) {
+      opts.nproc_per_node -= lost;
+      failed_before.clear();
+      std::fprintf(stderr,
+                   "dtrain launch: %d worker%s failed on two starts in a row; continuing with %d workers "
+                   "(--min-workers %d)\n",
+                   lost, lost > 1 ? "s" : "", opts.nproc_per_node, min_workers);
+    }
     std::fprintf(stderr, "dtrain launch: restarting all %d workers (restart %d of %d)\n", opts.nproc_per_node,
                  attempt + 1, opts.max_restarts);
   }

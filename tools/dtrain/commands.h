@@ -60,7 +60,8 @@ int run_diff(const DiffOptions& opts);
 int run_bench_gemm(const BenchOptions& opts);
 int run_launch(const launch::LaunchOptions& opts);
 /// Runs `argv` (this tool's command line) on `n` local workers under dtrain launch.
-int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output, int max_restarts = 0);
+int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output, int max_restarts = 0,
+                int min_workers = 0);
 /// `argv` is the tool's whole command line (relaunched as is under dtrain launch).
 int run_bench_collectives(const CollBenchOptions& opts, const std::vector<std::string>& argv);
 /// The pipeline engine's bubble with balanced stages on an emulated device (bench_pipeline.cpp).

@@ -40,6 +40,10 @@ int main(int argc, char** argv) {
                      "after a worker fails, start all workers again up to this many times (they resume from their "
                      "checkpoints; DTRAIN_RESTART tells them which start this is)")
       ->capture_default_str();
+  launch->add_option("--min-workers", launch_opts.min_workers,
+                     "elastic: a worker that failed on two starts in a row is dropped while at least this many "
+                     "remain (0: never)")
+      ->capture_default_str();
   launch->add_option("command", launch_opts.command, "PROGRAM ARGS... (after --)")->required();
 
   dtrain::tools::BenchOptions bench_opts;

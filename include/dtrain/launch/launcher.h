@@ -19,6 +19,7 @@ struct LaunchOptions {
   double grace_seconds = 5.0;      // SIGTERM -> SIGKILL delay when stopping workers
   bool prefix_output = true;
   int max_restarts = 0;            // after a failure, start all workers again (DTRAIN_RESTART=attempt)
+  int min_workers = 0;             // elastic: fewest workers to go on with (0: all of -n)
   std::vector<std::string> command;  // PROGRAM ARGS...
 };
 

@@ -54,6 +54,7 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;   // steps between checkpoints (0: none)
   int keep = 3;                   // complete checkpoints kept
   int max_restarts = 0;           // dtrain train's own launcher restarts the workers this often
+  int min_workers = 0;            // elastic: go on with fewer data-parallel replicas, down to this many processes
   std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
   // run
   uint64_t seed = 0;
