@@ -294,8 +294,11 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   struct Case {
     const char* name;
     std::string fault;
+    std::string flags;
   };
   const std::vector<Case> cases = {{"kill rank 1 at step 7", "kill:rank=1:step=7"},
+                                   {"asynchronous checkpoints: step 4's commit came with step 8's save",
+                                    "kill:rank=1:step=10", "--checkpoint-async=true"},
                                    {"kill rank 0 while it writes the step 8 checkpoint",
                                     "kill:rank=0:step=8:phase=checkpoint"},
                                    {"kill rank 1 while rank 0 is in the step 6 all_reduce",
@@ -304,8 +307,8 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = path("ckpt" + std::to_string(i)), metrics = path("f" + std::to_string(i) + ".jsonl");
     ::setenv("DTRAIN_FAULT", cases[i].fault.c_str(), 1);
-    ProcessResult r = dtrain(mlp + " --dp 2 --checkpoint-dir " + dir +
-                                 " --checkpoint-every 4 --max-restarts 2 --metrics " + metrics,
+    ProcessResult r = dtrain(mlp + " --dp 2 --checkpoint-dir " + dir + " --checkpoint-every 4 --max-restarts 2 " +
+                                 cases[i].flags + " --metrics " + metrics,
                              300);
     ::unsetenv("DTRAIN_FAULT");
     ASSERT_EQ(r.code, 0) << cases[i].name << ": " << r.output;

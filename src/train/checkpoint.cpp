@@ -115,9 +115,8 @@ Checkpointer::Checkpointer(std::string dir, int keep, comm::Group* world, nlohma
   DT_CHECK(!ec && fs::is_directory(dir_), "checkpoint", "--checkpoint-dir {}: cannot create: {}", dir_, ec.message());
 }
 
-void Checkpointer::save(const CheckpointShard& shard, const std::function<void()>& before_commit) {
+std::string Checkpointer::write_shard(const CheckpointShard& shard) const {
   const int rank = world_ != nullptr ? world_->rank() : 0;
-  const int world = world_ != nullptr ? world_->size() : 1;
   const std::string sd = step_dir(dir_, shard.step);
   std::error_code ec;
   fs::create_directories(sd, ec);
@@ -133,8 +132,12 @@ void Checkpointer::save(const CheckpointShard& shard, const std::function<void()
   for (const auto& [name, t] : shard.optimizer) file.tensors.emplace_back(kOptimPrefix + name, t);
   const std::string bytes = encode_model(file);
   write_file_atomic(sd + "/" + rank_file(rank), bytes);
-  const std::string sum = sha256_hex(bytes.data(), bytes.size());
-  if (before_commit) before_commit();
+  return sha256_hex(bytes.data(), bytes.size());
+}
+
+void Checkpointer::commit(int64_t step, const std::string& sum) {
+  const int rank = world_ != nullptr ? world_->rank() : 0;
+  const int world = world_ != nullptr ? world_->size() : 1;
   // Every rank's file is in place before rank 0 commits.
   std::vector<char> all(kHex * static_cast<size_t>(world));
   if (world_ != nullptr) {
@@ -143,9 +146,10 @@ void Checkpointer::save(const CheckpointShard& shard, const std::function<void()
     std::memcpy(all.data(), sum.data(), kHex);
   }
   if (rank == 0) {
+    const std::string sd = step_dir(dir_, step);
     nlohmann::json m{{"format", kFormat},
                      {"version", kVersion},
-                     {"step", shard.step},
+                     {"step", step},
                      {"layout", layout_},
                      {"files", nlohmann::json::array()}};
     for (int r = 0; r < world; ++r) {
@@ -153,9 +157,10 @@ void Checkpointer::save(const CheckpointShard& shard, const std::function<void()
     }
     write_file_atomic(sd + "/manifest.json", m.dump(1) + "\n");
     // Keep the newest `keep` complete checkpoints; anything older goes (complete or not).
+    std::error_code ec;
     int complete = 0;
     for (int64_t s : checkpoint_steps(dir_)) {
-      if (s > shard.step) continue;  // a newer one (from a run that went further before it failed)
+      if (s > step) continue;  // a newer one (from a run that went further before it failed)
       if (complete < keep_ && checkpoint_damage(dir_, s, layout_).empty()) {
         ++complete;
         continue;
@@ -165,6 +170,45 @@ void Checkpointer::save(const CheckpointShard& shard, const std::function<void()
   }
   // Nobody moves on (and possibly crashes) before the commit is durable.
   if (world_ != nullptr) world_->barrier();
+}
+
+void Checkpointer::save(const CheckpointShard& shard, const std::function<void()>& before_commit) {
+  finish();
+  const std::string sum = write_shard(shard);
+  if (before_commit) before_commit();
+  commit(shard.step, sum);
+}
+
+void Checkpointer::save_async(CheckpointShard shard, std::function<void()> before_commit) {
+  finish();
+  // The snapshot: copies, so that training may change the parameters while the thread writes.
+  for (auto& [name, t] : shard.params) t = t.clone();
+  for (auto& [name, t] : shard.optimizer) t = t.clone();
+  pending_ = std::make_unique<Pending>();
+  pending_->step = shard.step;
+  pending_->before_commit = std::move(before_commit);
+  Pending* p = pending_.get();
+  p->writer = std::thread([this, p, shard = std::move(shard)] {
+    try {
+      p->sum = write_shard(shard);
+    } catch (...) {
+      p->error = std::current_exception();
+    }
+  });
+}
+
+void Checkpointer::finish() {
+  if (!pending_) return;
+  std::unique_ptr<Pending> p = std::move(pending_);
+  p->writer.join();
+  if (p->error) std::rethrow_exception(p->error);
+  if (p->before_commit) p->before_commit();
+  commit(p->step, p->sum);
+}
+
+Checkpointer::~Checkpointer() {
+  // An unfinished asynchronous write is abandoned uncommitted (the manifest is the commit).
+  if (pending_ && pending_->writer.joinable()) pending_->writer.join();
 }
 
 std::optional<CheckpointFound> Checkpointer::latest(const nlohmann::json& compatible) {

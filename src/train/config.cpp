@@ -65,6 +65,8 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
        "write checkpoints here, and resume from the newest complete one found here at start"},
       {"checkpoint-every", &c.checkpoint_every, "steps between checkpoints (0 = none; needs --checkpoint-dir)"},
       {"keep", &c.keep, "complete checkpoints to keep"},
+      {"checkpoint-async", &c.checkpoint_async,
+       "snapshot checkpoints to memory and write them in the background (committed at the next one or at the end)"},
       {"max-restarts", &c.max_restarts,
        "when a worker fails, restart all workers from the last complete checkpoint up to this many times"},
       {"min-workers", &c.min_workers,

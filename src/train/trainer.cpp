@@ -688,7 +688,13 @@ TrainResult run_training(const TrainConfig& requested) {
     const auto t1 = Clock::now();
     if (ckpt && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) {
       CheckpointShard shard = checkpoint_shard(step + 1, *model, *optimizer, ddp.get());
-      ckpt->save(shard, [&] { maybe_fail(faults, step + 1, FaultPhase::checkpoint); });
+      const int64_t at = step + 1;
+      auto before_commit = [&faults, at] { maybe_fail(faults, at, FaultPhase::checkpoint); };
+      if (cfg.checkpoint_async) {
+        ckpt->save_async(std::move(shard), before_commit);
+      } else {
+        ckpt->save(shard, before_commit);
+      }
       trace.span("checkpoint", -1, 0, t1, Clock::now(), step + 1);
     }
     if (ddp) trace.span("synchronize", -1, 0, ts, to, step + 1);
@@ -720,6 +726,7 @@ TrainResult run_training(const TrainConfig& requested) {
     if (lead) progress.update(step + 1, epoch + 1, holds_loss ? step_loss : result.final_loss, optimizer->lr(), rate, unit);
   }
   if (lead) progress.finish();
+  if (ckpt) ckpt->finish();  // commits a checkpoint still being written in the background
 
   result.steps = total_steps;
   result.epochs_started = epoch + 1;

@@ -13,11 +13,14 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtrain/comm/group.h"
@@ -48,9 +51,19 @@ class Checkpointer {
   /// `world` may be null (one process). `layout` goes into every manifest (JSON object).
   Checkpointer(std::string dir, int keep, comm::Group* world, nlohmann::json layout);
 
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
   /// Collective. `before_commit` runs on every rank after its file is written and before the
   /// manifest (fault injection: a crash there must leave the previous checkpoint in charge).
   void save(const CheckpointShard& shard, const std::function<void()>& before_commit = nullptr);
+  /// Copies the shard and writes it on a background thread, so that training goes on while the
+  /// disk works; the commit (collective) happens at the next save or finish(). A crash before
+  /// that loses this checkpoint, never an earlier one.
+  void save_async(CheckpointShard shard, std::function<void()> before_commit = nullptr);
+  /// Collective when a save_async is pending: waits for its file and commits it.
+  void finish();
 
   /// Collective: the newest complete checkpoint whose layout agrees with this run's on the
   /// keys of `compatible` (e.g. model, optimizer, tp), or nothing.
@@ -61,10 +74,21 @@ class Checkpointer {
   const std::string& dir() const { return dir_; }
 
  private:
+  struct Pending {
+    int64_t step = 0;
+    std::thread writer;
+    std::string sum;
+    std::exception_ptr error;
+    std::function<void()> before_commit;
+  };
+  std::string write_shard(const CheckpointShard& shard) const;
+  void commit(int64_t step, const std::string& sum);
+
   std::string dir_;
   int keep_;
   comm::Group* world_;
   nlohmann::json layout_;
+  std::unique_ptr<Pending> pending_;
 };
 
 /// A file a manifest lists.

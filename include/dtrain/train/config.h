@@ -53,6 +53,7 @@ struct TrainConfig {
   std::string checkpoint_dir;     // checkpoints (resumed from automatically when present)
   int64_t checkpoint_every = 0;   // steps between checkpoints (0: none)
   int keep = 3;                   // complete checkpoints kept
+  bool checkpoint_async = false;  // write checkpoints on a background thread (commit at the next one)
   int max_restarts = 0;           // dtrain train's own launcher restarts the workers this often
   int min_workers = 0;            // elastic: go on with fewer data-parallel replicas, down to this many processes
   std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
