@@ -114,9 +114,10 @@ def summary(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def fmt(s, digits):
+def fmt(s, digits, missing="-"):
+    """median [min-max] of a summary(), `missing` for none."""
     if s is None:
-        return "-"
+        return missing
     f = f"{{:.{digits}f}}"
     if s["n"] == 1:
         return f.format(s["median"])

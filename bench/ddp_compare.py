@@ -26,6 +26,9 @@ import sys
 import tempfile
 import time
 
+import compare_torch  # bench/, next to this script
+from compare_torch import summary
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -280,20 +283,8 @@ def trace_breakdown(trace, warm):
 
 # ---------------------------------------------------------------------------------------- stats
 
-def summary(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def fmt(s, digits):
-    if s is None:
-        return "FAILED"
-    f = f"{{:.{digits}f}}"
-    if s["n"] == 1:
-        return f.format(s["median"])
-    return f"{f.format(s['median'])} [{f.format(s['min'])}-{f.format(s['max'])}]"
+    return compare_torch.fmt(s, digits, missing="FAILED")
 
 
 def num(v, digits):

@@ -214,19 +214,42 @@ def train(args, model, num_train, get_batch, loss_fn, tokens_per_sample):
     return out
 
 
-def run_mlp(args):
-    xtr, ytr, xte, yte = load_fashion(args.data_dir or FASHION_DIR)
-    torch.manual_seed(args.seed)
-    model = MLP(args.hidden)
-    out = train(args, model, xtr.shape[0], lambda i: (xtr[i].float().div_(255.0), ytr[i]), F.cross_entropy, 0)
-    out["model"] = "mlp"
+def mlp_accuracy(model, xte, yte):
+    """Test accuracy over the whole test set, in batches of 1000."""
     model.eval()
     correct = 0
     with torch.no_grad():
         for b in range(0, xte.shape[0], 1000):
             x = xte[b:b + 1000].float().div_(255.0)
             correct += (model(x).argmax(-1) == yte[b:b + 1000]).sum().item()
-    out["test_accuracy"] = correct / xte.shape[0]
+    return correct / xte.shape[0]
+
+
+def gpt_val_loss(model, val_split, B, eval_batches):
+    """Validation: the first E*B windows in order (all when E = 0), sample-weighted mean loss;
+    returns (loss, samples)."""
+    model.eval()
+    n = val_split.size
+    batches = (n + B - 1) // B
+    if eval_batches > 0:
+        batches = min(batches, eval_batches)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in range(batches):
+            idx = list(range(b * B, min(n, (b + 1) * B)))
+            x, y = val_split.get(idx)
+            total += gpt_loss(model(x), y).item() * len(idx)
+            count += len(idx)
+    return (total / count if count else 0.0), count
+
+
+def run_mlp(args):
+    xtr, ytr, xte, yte = load_fashion(args.data_dir or FASHION_DIR)
+    torch.manual_seed(args.seed)
+    model = MLP(args.hidden)
+    out = train(args, model, xtr.shape[0], lambda i: (xtr[i].float().div_(255.0), ytr[i]), F.cross_entropy, 0)
+    out["model"] = "mlp"
+    out["test_accuracy"] = mlp_accuracy(model, xte, yte)
     return out
 
 
@@ -239,22 +262,7 @@ def run_gpt(args):
     out = train(args, model, train_split.size, train_split.get, gpt_loss, T)
     out["model"] = "gpt"
     out["non_embedding_params"] = model.non_embedding_params()
-    # Validation: the first E*B windows in order (all when E = 0), sample-weighted mean loss.
-    model.eval()
-    B = args.batch_size
-    n = val_split.size
-    batches = (n + B - 1) // B
-    if args.eval_batches > 0:
-        batches = min(batches, args.eval_batches)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in range(batches):
-            idx = list(range(b * B, min(n, (b + 1) * B)))
-            x, y = val_split.get(idx)
-            total += gpt_loss(model(x), y).item() * len(idx)
-            count += len(idx)
-    out["val_loss"] = total / count if count else 0.0
-    out["val_samples"] = count
+    out["val_loss"], out["val_samples"] = gpt_val_loss(model, val_split, args.batch_size, args.eval_batches)
     return out
 
 
@@ -301,28 +309,11 @@ def dp_setup(args):
 
 def dp_evaluate(args, model, held_out):
     """Rank 0 only, after training: test accuracy (mlp) or val loss (gpt) as run_mlp/run_gpt."""
-    model.eval()
     out = {}
-    with torch.no_grad():
-        if args.model == "mlp":
-            xte, yte = held_out
-            correct = 0
-            for b in range(0, xte.shape[0], 1000):
-                correct += (model(xte[b:b + 1000].float().div_(255.0)).argmax(-1) == yte[b:b + 1000]).sum().item()
-            out["test_accuracy"] = correct / xte.shape[0]
-        else:
-            val_split, B, n = held_out, args.batch_size, held_out.size
-            batches = (n + B - 1) // B
-            if args.eval_batches > 0:
-                batches = min(batches, args.eval_batches)
-            total, count = 0.0, 0
-            for b in range(batches):
-                idx = list(range(b * B, min(n, (b + 1) * B)))
-                x, y = val_split.get(idx)
-                total += gpt_loss(model(x), y).item() * len(idx)
-                count += len(idx)
-            out["val_loss"] = total / count if count else 0.0
-            out["val_samples"] = count
+    if args.model == "mlp":
+        out["test_accuracy"] = mlp_accuracy(model, *held_out)
+    else:
+        out["val_loss"], out["val_samples"] = gpt_val_loss(model, held_out, args.batch_size, args.eval_batches)
     return out
 
 
