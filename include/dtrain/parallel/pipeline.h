@@ -14,8 +14,8 @@
 //
 // Messages: the first training activation between two stages goes as a shape header and the
 // data, which fixes the shape for the run (a later activation of another shape is an error);
-// after it, activations go as data only, and a gradient always does (it has the shape of the
-// activation it belongs to). forward_only (evaluation) sends a header every time. Sends are
+// after it, activations go as data only, and a gradient always does (it has the shape agreed
+// for the activation it belongs to). forward_only (evaluation) sends a header every time. Sends are
 // asynchronous (completed before train_step returns); receives block with the group's timeout.
 // Between two stages the messages of one direction arrive in micro-batch order, so no tags
 // beyond the kind are needed.
@@ -107,8 +107,8 @@ class Pipeline {
  private:
   struct InFlight;
   struct Pending;
-  // `agreed`: empty: a shape header goes first and fills it; set: data only, of that shape.
-  // nullptr (receive): a header is expected.
+  // `agreed`, the link's shape: empty: a shape header goes first and fills it; set: data only,
+  // of that shape (a send of another shape is an error). Gradients use the activation's link.
   Tensor recv_tensor(int peer, const char* what, Shape* agreed);
   void send_tensor(const Tensor& t, int peer, Shape* agreed);
   void drain_sends();
