@@ -357,7 +357,9 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
   const std::vector<Case> cases = {{"--dp 4", "--dp 2", "dp 4 x pp 1, zero 0"},
                                    {"--dp 2", "--dp 4", "dp 2 x pp 1, zero 0"},
                                    {"--dp 4 --zero 1", "--dp 2 --pp 2 --micro-batches 2", "dp 4 x pp 1, zero 1"},
-                                   {"--dp 2 --pp 2 --micro-batches 2", "--dp 4 --zero 1", "dp 2 x pp 2, zero 0"}};
+                                   {"--dp 2 --pp 2 --micro-batches 2", "--dp 4 --zero 1", "dp 2 x pp 2, zero 0"},
+                                   // One bucket per parameter: as many ZeRO pieces as parameters.
+                                   {"--dp 2 --zero 1 --bucket-mb 0.0002", "--dp 4", "dp 2 x pp 1, zero 1"}};
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = path("r" + std::to_string(i)), out = path("r" + std::to_string(i) + ".dtm");
     ProcessResult a = dtrain(mlp + " " + cases[i].from + " --steps 8 --checkpoint-dir " + dir + " --checkpoint-every 4");

@@ -318,6 +318,8 @@ float DataParallel::clip_grad_norm(float max_norm) {
   return norm;
 }
 
+bool DataParallel::sharded() const { return impl_->options.zero > 0; }
+
 std::vector<Tensor> DataParallel::optimizer_params() const {
   std::vector<Tensor> out;
   if (impl_->options.zero == 0) {

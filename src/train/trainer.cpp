@@ -335,7 +335,7 @@ CheckpointShard checkpoint_shard(int64_t step, const nn::Model& model, const opt
   CheckpointShard shard;
   shard.step = step;
   shard.params = model.named_parameters();
-  const bool zero = ddp != nullptr && ddp->optimizer_params().size() != shard.params.size();
+  const bool zero = ddp != nullptr && ddp->sharded();
   const size_t slots = optimizer.params().size();
   // state() names are "KIND.INDEX" over the optimizer's parameters (ZeRO: bucket pieces).
   std::map<std::string, std::vector<Tensor>> kinds;
@@ -404,7 +404,7 @@ void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, 
       if (it != state.end()) v[k] = it->second;
     }
   }
-  const bool zero = ddp != nullptr && ddp->optimizer_params().size() != named.size();
+  const bool zero = ddp != nullptr && ddp->sharded();
   std::vector<nn::NamedTensor> loaded;
   for (auto& [kind, v] : kinds) {
     if (zero) v = ddp->scatter_pieces(v);

@@ -93,6 +93,8 @@ class DataParallel {
 
   /// ZeRO: the tensors the optimizer owns on this rank. Without ZeRO: the model's parameters.
   std::vector<Tensor> optimizer_params() const;
+  /// True under ZeRO: optimizer_params() are pieces of buckets, not the parameters.
+  bool sharded() const;
   /// ZeRO, collective, after the optimizer step: every rank gets every updated piece.
   void gather_parameters();
 
