@@ -156,16 +156,22 @@ void Checkpointer::commit(int64_t step, const std::string& sum) {
       m["files"].push_back({{"rank", r}, {"name", rank_file(r)}, {"sha256", std::string(all.data() + kHex * r, kHex)}});
     }
     write_file_atomic(sd + "/manifest.json", m.dump(1) + "\n");
-    // Keep the newest `keep` complete checkpoints; anything older goes (complete or not).
+    verified_.insert(step);
+    // Keep the newest `keep` complete checkpoints; anything older goes (complete or not). The
+    // ones this process committed or loaded were checked already: their files are not read again.
     std::error_code ec;
     int complete = 0;
     for (int64_t s : checkpoint_steps(dir_)) {
       if (s > step) continue;  // a newer one (from a run that went further before it failed)
-      if (complete < keep_ && checkpoint_damage(dir_, s, layout_).empty()) {
+      if (complete < keep_ && (verified_.count(s) > 0 || checkpoint_damage(dir_, s, layout_).empty())) {
+        verified_.insert(s);
         ++complete;
         continue;
       }
-      if (complete >= keep_) fs::remove_all(step_dir(dir_, s), ec);
+      if (complete >= keep_) {
+        fs::remove_all(step_dir(dir_, s), ec);
+        verified_.erase(s);
+      }
     }
   }
   // Nobody moves on (and possibly crashes) before the commit is durable.

@@ -19,6 +19,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -89,6 +90,7 @@ class Checkpointer {
   comm::Group* world_;
   nlohmann::json layout_;
   std::unique_ptr<Pending> pending_;
+  std::set<int64_t> verified_;  // rank 0: complete steps of this layout, known without rereading
 };
 
 /// A file a manifest lists.
