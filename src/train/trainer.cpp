@@ -212,8 +212,12 @@ StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
 
 std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
 
+// Point-to-point tags on the world group at the end of a run.
+constexpr uint32_t kTagGatherModel = 7;
+constexpr uint32_t kTagEvaluation = 8;
+
 // Rank 0 of `world` gets the whole model's parameters, in the single-process order, from the
-// stages (dp 0, tp 0) and the tensor-parallel shards (already gathered by `gather_tp`).
+// stages (dp 0, tp 0); the caller has gathered the tensor-parallel shards already.
 std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> local, parallel::Mesh& mesh) {
   const parallel::MeshShape& shape = mesh.shape();
   const parallel::MeshCoord c = mesh.coord();
@@ -225,26 +229,26 @@ std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> loca
     for (const auto& [name, t] : local) header.push_back({{"name", name}, {"shape", t.shape()}});
     const std::string text = header.dump();
     const int64_t n = static_cast<int64_t>(text.size());
-    world.send(&n, 1, comm::DataType::i64, 0, 7);
-    world.send(text.data(), text.size(), comm::DataType::u8, 0, 7);
+    world.send(&n, 1, comm::DataType::i64, 0, kTagGatherModel);
+    world.send(text.data(), text.size(), comm::DataType::u8, 0, kTagGatherModel);
     for (const auto& [name, t] : local) {
       Tensor d = t.contiguous();
-      world.send(d.data(), static_cast<size_t>(d.numel()), comm::DataType::f32, 0, 7);
+      world.send(d.data(), static_cast<size_t>(d.numel()), comm::DataType::f32, 0, kTagGatherModel);
     }
     return {};
   }
   for (int s = 1; s < shape.pp; ++s) {
     const int from = parallel::mesh_rank(shape, {0, s, 0});
     int64_t n = 0;
-    world.recv(&n, 1, comm::DataType::i64, from, 7);
+    world.recv(&n, 1, comm::DataType::i64, from, kTagGatherModel);
     DT_CHECK(n > 0 && n < (int64_t{1} << 30), "train", "stage {} sent a parameter list of {} bytes", s, n);
     std::string text(static_cast<size_t>(n), '\0');
-    world.recv(text.data(), text.size(), comm::DataType::u8, from, 7);
+    world.recv(text.data(), text.size(), comm::DataType::u8, from, kTagGatherModel);
     const nlohmann::json header = nlohmann::json::parse(text, nullptr, false);
     DT_CHECK(header.is_array(), "train", "stage {} sent an unreadable parameter list", s);
     for (const auto& e : header) {
       Tensor t = Tensor::empty(e.at("shape").get<Shape>());
-      world.recv(t.data(), static_cast<size_t>(t.numel()), comm::DataType::f32, from, 7);
+      world.recv(t.data(), static_cast<size_t>(t.numel()), comm::DataType::f32, from, kTagGatherModel);
       local.emplace_back(e.at("name").get<std::string>(), t);
     }
   }
@@ -425,7 +429,7 @@ void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, 
 
 // Per-rank figures every rank contributes to the final record.
 struct RankFigures {
-  double bubble = 0.0, step_s = 0.0, busy_s = 0.0;
+  double step_s = 0.0, busy_s = 0.0;
   double activation_peak_bytes = 0.0, peak_bytes = 0.0, max_in_flight = 0.0;
   double peak_rss = 0.0, state_bytes = 0.0;
 };
@@ -480,6 +484,7 @@ TrainResult run_training(const TrainConfig& requested) {
                                 : parallel::parse_stages(cfg.stages, probe->block_flops().size(), cfg.pp);
   }
   auto model = build_model(cfg, stages[static_cast<size_t>(coord.pp)]);
+  if (!pipelined) stages[0] = model->range();  // the whole model, its end now known
   std::map<std::string, parallel::ShardSpec> shard_specs;
   if (cfg.tp > 1) shard_specs = parallel::tensor_parallelize(*model, mesh->tp(), cfg.heads);
   const StateEstimate need = estimate_state(cfg, model->num_parameters());
@@ -521,7 +526,7 @@ TrainResult run_training(const TrainConfig& requested) {
                           {"zero", cfg.zero},
                           {"optimizer", cfg.optimizer},
                           {"stages", nlohmann::json::array()}};
-    for (const auto& r : stages) layout["stages"].push_back({r.begin, std::min(r.end, size_t{1} << 30)});
+    for (const auto& r : stages) layout["stages"].push_back({r.begin, r.end});
     ckpt = std::make_unique<Checkpointer>(cfg.checkpoint_dir, cfg.keep, group.get(), layout);
     // Any data-parallel / pipeline / ZeRO layout may resume it; model, optimizer and tp must agree.
     const nlohmann::json compatible{{"model", layout["model"]}, {"optimizer", cfg.optimizer}, {"tp", cfg.tp}};
@@ -582,7 +587,6 @@ TrainResult run_training(const TrainConfig& requested) {
   std::vector<int64_t> epoch_indices;
   int64_t epoch = -1;
   RankFigures fig;
-  int64_t stat_steps = 0;
   for (int64_t step = start_step; step < total_steps; ++step) {
     maybe_fail(faults, step + 1, FaultPhase::step);
     const int64_t e = step / steps_per_epoch;
@@ -614,14 +618,14 @@ TrainResult run_training(const TrainConfig& requested) {
           trace.span(sp.forward ? "forward" : "backward", static_cast<int>(a * M + sp.micro), 0, sp.start, sp.end,
                      step + 1);
         }
-        // The first step also agrees shapes and warms up allocations: left out of the figures.
-        if (step > 0 || total_steps == 1) {
+        // The first step of a start also agrees shapes and warms up allocations: left out of
+        // the figures (unless it is the only one).
+        if (step > start_step || total_steps - start_step == 1) {
           fig.step_s += st.step_s;
           fig.busy_s += st.busy_s;
           fig.activation_peak_bytes = std::max(fig.activation_peak_bytes, static_cast<double>(st.activation_peak_bytes));
           fig.peak_bytes = std::max(fig.peak_bytes, static_cast<double>(st.peak_bytes));
           fig.max_in_flight = std::max(fig.max_in_flight, static_cast<double>(st.max_in_flight));
-          ++stat_steps;
         }
         continue;
       }
@@ -803,8 +807,8 @@ TrainResult run_training(const TrainConfig& requested) {
                       : evaluate(*model, *src.eval, 1000, 0, forward);
     const int holder = mesh ? parallel::mesh_rank(mesh->shape(), {0, cfg.pp - 1, 0}) : 0;
     if (holder != 0) {
-      if (rank == holder) group->send(&eval_value, 1, comm::DataType::f64, 0, 8);
-      if (lead) group->recv(&eval_value, 1, comm::DataType::f64, holder, 8);
+      if (rank == holder) group->send(&eval_value, 1, comm::DataType::f64, 0, kTagEvaluation);
+      if (lead) group->recv(&eval_value, 1, comm::DataType::f64, holder, kTagEvaluation);
     }
   }
   if (text) {
@@ -819,7 +823,6 @@ TrainResult run_training(const TrainConfig& requested) {
     // Per-rank figures: stage bubbles and memory, everyone's peak RSS.
     fig.peak_rss = static_cast<double>(result.peak_rss);
     fig.state_bytes = static_cast<double>(need.total());
-    if (stat_steps > 0) fig.bubble = fig.step_s > 0 ? std::max(0.0, 1.0 - fig.busy_s / fig.step_s) : 0.0;
     constexpr size_t kFields = sizeof(RankFigures) / sizeof(double);
     std::vector<double> all(kFields * static_cast<size_t>(world));
     group->all_gather(&fig, all.data(), kFields, comm::DataType::f64);
@@ -832,7 +835,7 @@ TrainResult run_training(const TrainConfig& requested) {
                      inflight = nlohmann::json::array(), cuts = nlohmann::json::array();
       for (int s = 0; s < cfg.pp; ++s) {
         const RankFigures* f = at(parallel::mesh_rank(mesh->shape(), {0, s, 0}));
-        bubble.push_back(f->bubble);
+        bubble.push_back(f->step_s > 0 ? std::max(0.0, 1.0 - f->busy_s / f->step_s) : 0.0);
         act.push_back(static_cast<int64_t>(f->activation_peak_bytes));
         peak.push_back(static_cast<int64_t>(f->peak_bytes));
         inflight.push_back(static_cast<int64_t>(f->max_in_flight));
