@@ -207,7 +207,7 @@ class ShmTransport final : public Transport {
   // The progress loop of wait(): pass, spin, sleep, with the failure checks in between.
   void drive(const std::vector<Request*>& listed, Deadline deadline) {
     const auto start = Clock::now();
-    auto spin_from = start;
+    bool slept = false;  // after a sleep, only the brief default spin
     auto last_liveness = start;
     size_t cursor = 0;
     int idle = 0;  // passes in a row that moved nothing
@@ -228,8 +228,8 @@ class ShmTransport final : public Transport {
         }
       }
       if (idle == 0) continue;
-      // Spin for kSpinIterations idle passes, and at least spin_ since the wait began.
-      if (idle < kSpinIterations || (spin_.count() > 0 && now - spin_from < spin_)) {
+      // Spin for kSpinIterations idle passes, and until spin_ since the wait began.
+      if (idle < kSpinIterations || (!slept && now - start < spin_)) {
         // After the first microseconds, also let a rank that shares our core run (threads, or
         // more ranks than cores); on an otherwise idle core sched_yield returns at once.
         if (idle >= kYieldAfter && idle % kYieldEvery == 0) {
@@ -241,7 +241,7 @@ class ShmTransport final : public Transport {
       }
       idle = 0;
       sleep(listed, cursor, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now)));
-      spin_from = Clock::now() - spin_;  // after a sleep, spin only the brief default again
+      slept = true;
     }
   }
 
