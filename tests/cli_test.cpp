@@ -295,8 +295,19 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
     const char* name;
     std::string fault;
     std::string flags;
+    std::string says = "resumed from";  // in the output (a restart resumes)
+    bool restarts = true;
+    const char* transport = "auto";
   };
   const std::vector<Case> cases = {{"kill rank 1 at step 7", "kill:rank=1:step=7"},
+                                   {"rank 1 hangs (SIGSTOP) at step 7: only its missing heartbeats tell",
+                                    "stop:rank=1:step=7", "--heartbeat-timeout 1",
+                                    "rank 1 sent no heartbeat for"},
+                                   {"rank 0 loses its network (every socket shut down) at step 6, over TCP",
+                                    "drop:rank=0:step=6", "--heartbeat-timeout 1",
+                                    "closed the connection without a goodbye", true, "tcp"},
+                                   {"rank 1 straggles 1.5 s at step 5: slower, not failed", "delay:rank=1:step=5:ms=1500",
+                                    "--heartbeat-timeout 1", "delaying this rank by 1500 ms", false},
                                    {"asynchronous checkpoints: step 4's commit came with step 8's save",
                                     "kill:rank=1:step=10", "--checkpoint-async=true"},
                                    {"kill rank 0 while it writes the step 8 checkpoint",
@@ -307,13 +318,21 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = path("ckpt" + std::to_string(i)), metrics = path("f" + std::to_string(i) + ".jsonl");
     ::setenv("DTRAIN_FAULT", cases[i].fault.c_str(), 1);
+    ::setenv("DTRAIN_TRANSPORT", cases[i].transport, 1);
     ProcessResult r = dtrain(mlp + " --dp 2 --checkpoint-dir " + dir + " --checkpoint-every 4 --max-restarts 2 " +
                                  cases[i].flags + " --metrics " + metrics,
                              300);
     ::unsetenv("DTRAIN_FAULT");
+    ::unsetenv("DTRAIN_TRANSPORT");
     ASSERT_EQ(r.code, 0) << cases[i].name << ": " << r.output;
-    EXPECT_NE(r.output.find("restarting all 2 workers"), std::string::npos) << cases[i].name << ": " << r.output;
-    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << cases[i].name << ": " << r.output;
+    EXPECT_EQ(r.output.find("restarting all 2 workers") != std::string::npos, cases[i].restarts)
+        << cases[i].name << ": " << r.output;
+    EXPECT_NE(r.output.find(cases[i].says), std::string::npos) << cases[i].name << ": " << r.output;
+    // The report shows each surviving rank's flight record: the operation it was in.
+    if (cases[i].restarts && cases[i].fault.starts_with("stop")) {
+      EXPECT_NE(r.output.find("flight records ("), std::string::npos) << cases[i].name << ": " << r.output;
+      EXPECT_NE(r.output.find("failed all_reduce #"), std::string::npos) << cases[i].name << ": " << r.output;
+    }
     EXPECT_EQ(digest("f" + std::to_string(i) + ".jsonl"), digest("ref.jsonl")) << cases[i].name;
   }
   // One process, no launcher: killed at step 10, run again by hand, it resumes from step 8.

@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "comm_test_util.h"
 #include "dtrain/comm/group.h"
 
 namespace dtrain::comm {
@@ -65,13 +66,11 @@ struct Job {
 // Child body: join the group through a file store, run `body`, write the outcome to
 // dir/result<rank> ("ok" or the error text) and exit.
 template <typename Body>
-pid_t spawn_rank(const Job& job, int rank, int size, Duration timeout, Body body) {
+pid_t spawn_rank(const Job& job, int rank, int size, GroupOptions opts, Body body) {
   const pid_t pid = ::fork();
   if (pid != 0) return pid;
   std::string outcome;
   try {
-    GroupOptions opts;
-    opts.timeout = timeout;
     Group g = Group::create(make_file_store((job.dir / "store").string()), rank, size, opts, job.name);
     body(g);
     outcome = "ok";
@@ -80,6 +79,13 @@ pid_t spawn_rank(const Job& job, int rank, int size, Duration timeout, Body body
   }
   std::ofstream(job.dir / fmt::format("result{}", rank)) << outcome;
   ::_exit(0);
+}
+
+template <typename Body>
+pid_t spawn_rank(const Job& job, int rank, int size, Duration timeout, Body body) {
+  GroupOptions opts;
+  opts.timeout = timeout;
+  return spawn_rank(job, rank, size, opts, body);
 }
 
 int wait_exit(pid_t pid) {
@@ -160,6 +166,132 @@ TEST(CollectiveMismatch, RanksCallingDifferentCollectivesAreNamed) {
   EXPECT_NE(r1.find("rank 0 called all_reduce(f32, 4096, sum) but rank 1 called broadcast(f32, 100, root 0)"),
             std::string::npos)
       << r1;
+}
+
+// A rank that stops (SIGSTOP: a hung process, no crash for anyone to see) while its peers are
+// in a collective: its heartbeats stop, the rank watching it notices within the heartbeat
+// timeout, and every other rank raises too, naming it, long before the collective's timeout.
+TEST(Heartbeat, AStoppedRankIsReportedByEveryOtherRankWithinTheHeartbeatTimeout) {
+  const int size = 3, victim = 1;
+  GroupOptions opts;
+  opts.timeout = 60s;  // the collective alone would wait this long
+  opts.heartbeat_timeout = 1s;
+  opts.heartbeat_interval = 100ms;
+  Job job;
+  int ready[2];
+  ASSERT_EQ(0, ::pipe(ready));
+  std::vector<pid_t> pids;
+  for (int r = 0; r < size; ++r) {
+    pids.push_back(spawn_rank(job, r, size, opts, [&](Group& g) {
+      std::vector<float> x(1024, 1.0f);
+      g.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
+      if (g.rank() == victim) {
+        const char one = 1;
+        (void)!::write(ready[1], &one, 1);
+        ::raise(SIGSTOP);
+      }
+      for (int k = 0; k < 1000000; ++k) g.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
+    }));
+  }
+  ::close(ready[1]);
+  pollfd pfd{ready[0], POLLIN, 0};
+  const bool victim_ready = ::poll(&pfd, 1, 60000) == 1 && (pfd.revents & POLLIN) != 0;
+  ::close(ready[0]);
+  const auto stopped_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(victim_ready) << "the ranks never completed their first all_reduce";
+  for (int r = 0; r < size; ++r) {
+    if (r != victim) wait_exit(pids[static_cast<size_t>(r)]);
+  }
+  const auto detected = std::chrono::steady_clock::now() - stopped_at;
+  ::kill(pids[static_cast<size_t>(victim)], SIGKILL);
+  wait_exit(pids[static_cast<size_t>(victim)]);
+  EXPECT_LT(detected, 10s) << "the survivors took too long to notice the stopped rank";
+  EXPECT_GE(detected, 900ms) << "detected before the heartbeat timeout: a false alarm?";
+  for (int r = 0; r < size; ++r) {
+    if (r == victim) continue;
+    const std::string res = read_file(job.dir / fmt::format("result{}", r));
+    EXPECT_NE(res.find("all_reduce"), std::string::npos) << "rank " << r << ": " << res;
+    EXPECT_NE(res.find(fmt::format("rank {} sent no heartbeat", victim)), std::string::npos)
+        << "rank " << r << " does not name the stopped rank: " << res;
+  }
+}
+
+// A rank that leaves cleanly is not a failure: the others go on past the heartbeat timeout.
+TEST(Heartbeat, ARankThatLeftCleanlyIsNotReported) {
+  GroupOptions opts = test_util::quick_options();
+  opts.heartbeat_timeout = 300ms;
+  opts.heartbeat_interval = 50ms;
+  test_util::run_ranks(
+      3,
+      [](Group& world) {
+        Group rest = world.split(world.rank() == 1 ? -1 : 0, world.rank());
+        if (world.rank() == 1) return;  // leaves: its heartbeat says so
+        std::vector<float> x(16, 1.0f);
+        const auto until = std::chrono::steady_clock::now() + 1s;  // several heartbeat timeouts
+        int rounds = 0;
+        for (int go = 1; go != 0; ++rounds) {
+          go = std::chrono::steady_clock::now() < until ? 1 : 0;
+          rest.all_reduce(&go, &go, 1, DataType::i32, ReduceOp::min);  // both stop on the same round
+          rest.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
+        }
+        EXPECT_GT(rounds, 1);
+      },
+      opts);
+}
+
+// The flight record keeps the last operations, in order, with their size and how they ended.
+TEST(FlightRecord, KeepsTheLastOperationsInOrderWithTheirOutcome) {
+  GroupOptions opts = test_util::quick_options();
+  opts.flight_record_size = 4;
+  test_util::run_ranks(
+      2,
+      [](Group& g) {
+        std::vector<float> x(100, 1.0f);
+        g.broadcast(x.data(), 10, DataType::f32, 1);
+        for (int i = 0; i < 3; ++i) g.all_reduce(x.data(), x.data(), 100, DataType::f32, ReduceOp::sum);
+        if (g.rank() == 0) {
+          g.send(x.data(), 7, DataType::f32, 1, 3);
+        } else {
+          g.recv(x.data(), 7, DataType::f32, 0, 3);
+        }
+        const std::vector<FlightEntry> rec = g.flight_record();
+        ASSERT_EQ(rec.size(), 4u);  // the broadcast fell out of the ring
+        for (int i = 0; i < 3; ++i) {
+          EXPECT_EQ(rec[static_cast<size_t>(i)].op, "all_reduce");
+          EXPECT_TRUE(rec[static_cast<size_t>(i)].collective);
+          EXPECT_EQ(rec[static_cast<size_t>(i)].bytes, 400u);
+          EXPECT_EQ(rec[static_cast<size_t>(i)].state, FlightEntry::State::done);
+          EXPECT_LE(rec[static_cast<size_t>(i)].started_at, rec[static_cast<size_t>(i)].finished_at);
+        }
+        // Collective sequence numbers (the group's own all_gather at creation may come first).
+        EXPECT_EQ(rec[1].seq, rec[0].seq + 1);
+        EXPECT_EQ(rec[2].seq, rec[1].seq + 1);
+        EXPECT_EQ(rec[3].op, g.rank() == 0 ? "send" : "recv");
+        EXPECT_FALSE(rec[3].collective);
+        EXPECT_EQ(rec[3].peer, 1 - g.rank());
+        EXPECT_EQ(rec[3].bytes, 28u);
+        EXPECT_EQ(rec[3].state, FlightEntry::State::done);
+      },
+      opts);
+}
+
+TEST(FlightRecord, AFailedOperationIsRecordedWithItsError) {
+  GroupOptions opts = test_util::quick_options();
+  opts.timeout = 200ms;
+  test_util::run_ranks(
+      2,
+      [](Group& g) {
+        std::vector<float> x(8, 1.0f);
+        if (g.rank() == 0) {
+          EXPECT_THROW(g.recv(x.data(), 8, DataType::f32, 1, 9), CommError);  // rank 1 never sends (and leaves)
+          const std::vector<FlightEntry> rec = g.flight_record();
+          ASSERT_FALSE(rec.empty());
+          EXPECT_EQ(rec.back().op, "recv");
+          EXPECT_EQ(rec.back().state, FlightEntry::State::failed);
+          EXPECT_NE(rec.back().error.find("recv #0"), std::string::npos) << rec.back().error;
+        }
+      },
+      opts);
 }
 
 }  // namespace

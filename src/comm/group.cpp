@@ -19,6 +19,8 @@
 
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/transport.h"
+#include "dtrain/core/log.h"
+#include "health.h"
 #include "net.h"
 
 namespace dtrain::comm {
@@ -34,10 +36,14 @@ struct Work::State {
   uint64_t seq = 0;
   Duration default_timeout{0};
   std::function<void(const std::string&)> on_abandon;  // aborts the group when a wait gives up
+  std::shared_ptr<health::FlightRecorder> recorder;
+  uint64_t flight_id = UINT64_MAX;
 
   Clock::time_point finished_at{};
 
   void finish(std::exception_ptr e) {
+    if (recorder) recorder->ended(flight_id, e);
+    if (e) health::dump_on_first_failure();
     {
       std::lock_guard<std::mutex> lock(mu);
       finished_at = Clock::now();
@@ -101,8 +107,13 @@ struct Group::Impl {
   uint64_t collective_seq = 0;  // identical on every rank: all ranks issue the same collectives
   uint64_t p2p_seq = 0;
   std::exception_ptr broken;
+  std::shared_ptr<health::FlightRecorder> recorder;
+  std::unique_ptr<health::Heartbeat> heartbeat;
+  std::shared_ptr<health::Registration> registration;
 
   ~Impl() {
+    registration.reset();  // no abort_all() reaches a group being torn down
+    heartbeat.reset();
     {
       std::lock_guard<std::mutex> lock(mu);
       stopping = true;
@@ -221,7 +232,8 @@ struct Group::Impl {
                       }
                       pending_post = Inflight{id, nullptr, what, deadline, peer};
                       return false;
-                    });
+                    },
+                    bytes, peer);
   }
   std::optional<Inflight> pending_post;  // set by a p2p body that left its request in flight
 
@@ -232,16 +244,19 @@ struct Group::Impl {
   // Runs body(seq, deadline) in issue order and returns its Work. A blocking call issued while
   // nothing is queued or running runs inline in the caller's thread (no hand-off to the
   // progress thread: this is the latency of small collectives); everything else is queued.
-  Work dispatch(const std::string& op, bool collective, bool blocking, std::function<bool(uint64_t, Deadline)> body) {
+  Work dispatch(const std::string& op, bool collective, bool blocking, std::function<bool(uint64_t, Deadline)> body,
+                size_t bytes = 0, int peer = -1) {
     auto state = std::make_shared<Work::State>();
     state->op = op;
     state->default_timeout = options.timeout;
     state->on_abandon = [this](const std::string& reason) { abort(reason); };
+    state->recorder = recorder;
     std::function<void()> task;
     bool run_now = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       state->seq = collective ? collective_seq++ : p2p_seq++;
+      state->flight_id = recorder->queued(op.c_str(), state->seq, collective, bytes, peer);
       task = [this, state, op, body = std::move(body)] { execute_task(state, op, body); };
       // A send or receive is posted right here too, and a few passes move a message that fits
       // the transport's buffers completely: the progress thread then need not wake up at all
@@ -306,6 +321,7 @@ struct Group::Impl {
   void execute_task(const std::shared_ptr<Work::State>& state_ptr, const std::string& op,
                     const std::function<bool(uint64_t, Deadline)>& body) {
     bool in_flight = false;
+    recorder->started(state_ptr->flight_id);
     std::exception_ptr err = guarded(op.c_str(), state_ptr->seq, body, &in_flight);
     if (err || !in_flight) {
       state_ptr->finish(err);
@@ -320,7 +336,7 @@ struct Group::Impl {
   // The latency path of blocking collectives: when nothing is queued or running, run `body`
   // right here without a Work, a queue entry or an allocation. False: not idle, queue it.
   template <typename Body>
-  bool run_inline(const char* op, Body&& body) {
+  bool run_inline(const char* op, size_t bytes, int peer, Body&& body) {
     uint64_t seq = 0;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -328,10 +344,14 @@ struct Group::Impl {
       busy = true;
       seq = collective_seq++;
     }
+    const uint64_t flight_id = recorder->queued(op, seq, true, bytes, peer);
+    recorder->started(flight_id);
     std::exception_ptr err = guarded(op, seq, [&](uint64_t, Deadline deadline) {
       body(deadline);
       return true;
     });
+    recorder->ended(flight_id, err);
+    if (err) health::dump_on_first_failure();
     {
       std::lock_guard<std::mutex> lock(mu);
       busy = false;
@@ -352,19 +372,45 @@ struct Group::Impl {
   }
 
   Work run_plan(const std::string& op, Plan plan, const void* in, void* out, DataType dtype, ReduceOp rop,
-                bool blocking) {
-    return dispatch(op, true, blocking,
-                    [this, plan = std::move(plan), in, out, dtype, rop](uint64_t seq, Deadline deadline) {
-                      execute(plan, *transport, in, out, dtype, rop, seq << 20, deadline);
-                      return true;
-                    });
+                bool blocking, size_t bytes = 0, int root = -1) {
+    return dispatch(
+        op, true, blocking,
+        [this, plan = std::move(plan), in, out, dtype, rop](uint64_t seq, Deadline deadline) {
+          execute(plan, *transport, in, out, dtype, rop, seq << 20, deadline);
+          return true;
+        },
+        bytes, root);
   }
 
-  Work run_direct(const std::string& op, bool blocking, std::function<void(DirectCollectives&, Deadline)> body) {
-    return dispatch(op, true, blocking, [this, body = std::move(body)](uint64_t, Deadline deadline) {
-      body(*transport->direct(), deadline);
-      return true;
-    });
+  Work run_direct(const std::string& op, bool blocking, std::function<void(DirectCollectives&, Deadline)> body,
+                  size_t bytes = 0, int root = -1) {
+    return dispatch(
+        op, true, blocking,
+        [this, body = std::move(body)](uint64_t, Deadline deadline) {
+          body(*transport->direct(), deadline);
+          return true;
+        },
+        bytes, root);
+  }
+
+  // This group and its flight record as JSON (times in ms before now).
+  std::string describe_json() const {
+    const auto now = Clock::now();
+    auto ago = [&](Clock::time_point t) {
+      return t == Clock::time_point{} ? std::string("null")
+                                      : fmt::format("{:.3f}", std::chrono::duration<double, std::milli>(now - t).count());
+    };
+    std::string out = fmt::format(R"({{"group":"{}","rank":{},"size":{},"transport":"{}","entries":[)",
+                                  health::json_escape(name), rank, size, kind);
+    bool first = true;
+    for (const FlightEntry& e : recorder->entries()) {
+      out += fmt::format(
+          R"({}{{"seq":{},"op":"{}","collective":{},"bytes":{},"peer":{},"state":"{}","queued_ms_ago":{},"started_ms_ago":{},"finished_ms_ago":{},"error":"{}"}})",
+          first ? "" : ",", e.seq, e.op, e.collective, e.bytes, e.peer, name_of(e.state), ago(e.queued_at),
+          ago(e.started_at), ago(e.finished_at), health::json_escape(e.error));
+      first = false;
+    }
+    return out + "]}";
   }
 };
 
@@ -471,7 +517,19 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
            "group '{}': algorithm 'direct' needs a transport with native collectives (shm), not {}", name,
            impl->transport->kind());
   impl->kind = impl->transport->kind();
-  impl->worker = std::thread([raw = impl.get()] { raw->run(); });
+  impl->recorder = std::make_shared<health::FlightRecorder>(options.flight_record_size);
+  Impl* raw = impl.get();
+  impl->registration = health::register_group([raw](const std::string& reason) { raw->abort(reason); },
+                                               [raw] { return raw->describe_json(); });
+  if (options.heartbeat_timeout > Duration::zero() && size > 1) {
+    impl->heartbeat = std::make_unique<health::Heartbeat>(
+        options.heartbeat_store ? options.heartbeat_store : store, name, rank, size, options.heartbeat_interval,
+        options.heartbeat_timeout, [rank](const std::string& reason) {
+          DT_LOG_ERROR("rank {}: {}; aborting every pending operation", rank, reason);
+          health::abort_all(reason);
+        });
+  }
+  impl->worker = std::thread([raw] { raw->run(); });
   return Group(impl);
 }
 
@@ -504,6 +562,10 @@ Group Group::from_env(GroupOptions options) {
     server = std::make_shared<TcpStoreServer>(addr, static_cast<uint16_t>(port), secret);
   }
   auto store = connect_tcp_store(addr, static_cast<uint16_t>(port), secret, options.timeout);
+  if (options.heartbeat_timeout > Duration::zero() && !options.heartbeat_store) {
+    // Its own connection: the group's requests (a blocking get) must not hold up a heartbeat.
+    options.heartbeat_store = connect_tcp_store(addr, static_cast<uint16_t>(port), secret, options.timeout);
+  }
   Group g = create(store, rank, size, options);
   g.impl_->keep_alive = server;
   return g;
@@ -518,6 +580,8 @@ const std::string& Group::transport_kind() const {
 
 const GroupOptions& Group::options() const { return impl("options").options; }
 
+std::vector<FlightEntry> Group::flight_record() const { return impl("flight_record").recorder->entries(); }
+
 Group Group::split(int color, int key) const {
   DT_CHECK(impl_ != nullptr, "comm", "split on an empty group");
   return split(color, key, impl_->options);
@@ -528,8 +592,11 @@ Algorithm Group::all_reduce_algorithm(size_t bytes) const {
   return g.direct_for(g.options.algorithm) != nullptr ? Algorithm::direct : g.algorithm_for(bytes);
 }
 
-Group Group::split(int color, int key, const GroupOptions& options) const {
+Group Group::split(int color, int key, const GroupOptions& requested) const {
   DT_CHECK(impl_ != nullptr, "comm", "split on an empty group");
+  GroupOptions options = requested;
+  options.heartbeat_timeout = Duration::zero();  // the parent's heartbeat covers these processes
+  options.heartbeat_store = nullptr;
   const int n = size();
   std::vector<int32_t> mine = {color, key};
   std::vector<int32_t> all(static_cast<size_t>(2 * n));
@@ -561,10 +628,10 @@ Work all_reduce_impl(Impl& g, const void* send, void* recv, size_t count, DataTy
   if (g.direct_for(g.options.algorithm) != nullptr) {
     return g.run_direct("all_reduce", blocking, [=](DirectCollectives& d, Deadline deadline) {
       d.all_reduce(send, recv, count, dtype, op, deadline);
-    });
+    }, count * size_of(dtype));
   }
   Plan plan = plan_all_reduce(g.algorithm_for(count * size_of(dtype)), g.rank, g.size, count);
-  return g.run_plan("all_reduce", std::move(plan), send, recv, dtype, op, blocking);
+  return g.run_plan("all_reduce", std::move(plan), send, recv, dtype, op, blocking, count * size_of(dtype));
 }
 
 // The group's algorithm where it applies to reduce_scatter / all_gather, else the ring.
@@ -583,22 +650,22 @@ Work reduce_scatter_impl(Impl& g, const void* send, void* recv, size_t recv_coun
   if (g.direct_for(g.options.algorithm) != nullptr) {
     return g.run_direct("reduce_scatter", blocking, [=](DirectCollectives& d, Deadline deadline) {
       d.reduce_scatter(send, recv, recv_count, dtype, op, deadline);
-    });
+    }, recv_count * g.size * size_of(dtype));
   }
   std::vector<size_t> counts(static_cast<size_t>(g.size), recv_count);
   return g.run_plan("reduce_scatter", plan_reduce_scatter(reduce_scatter_algorithm(g), g.rank, g.size, counts), send,
-                    recv, dtype, op, blocking);
+                    recv, dtype, op, blocking, recv_count * g.size * size_of(dtype));
 }
 
 Work all_gather_impl(Impl& g, const void* send, void* recv, size_t send_count, DataType dtype, bool blocking) {
   if (g.direct_for(g.options.algorithm) != nullptr) {
     return g.run_direct("all_gather", blocking, [=](DirectCollectives& d, Deadline deadline) {
       d.all_gather(send, recv, send_count, dtype, deadline);
-    });
+    }, send_count * size_of(dtype));
   }
   std::vector<size_t> counts(static_cast<size_t>(g.size), send_count);
   return g.run_plan("all_gather", plan_all_gather(all_gather_algorithm(g), g.rank, g.size, counts), send, recv,
-                    dtype, ReduceOp::sum, blocking);
+                    dtype, ReduceOp::sum, blocking, send_count * size_of(dtype));
 }
 
 Work broadcast_impl(Impl& g, void* buffer, size_t count, DataType dtype, int root, bool blocking) {
@@ -606,10 +673,10 @@ Work broadcast_impl(Impl& g, void* buffer, size_t count, DataType dtype, int roo
   if (g.direct_for(g.options.algorithm) != nullptr) {
     return g.run_direct("broadcast", blocking, [=](DirectCollectives& d, Deadline deadline) {
       d.broadcast(buffer, count, dtype, root, deadline);
-    });
+    }, count * size_of(dtype), root);
   }
   return g.run_plan("broadcast", plan_broadcast(Algorithm::binomial, g.rank, g.size, count, root), buffer, buffer,
-                    dtype, ReduceOp::sum, blocking);
+                    dtype, ReduceOp::sum, blocking, count * size_of(dtype), root);
 }
 
 void check_peer(const Impl& g, int peer, const char* op) {
@@ -657,7 +724,7 @@ Work Group::recv_async(void* buffer, size_t count, DataType dtype, int peer, uin
 void Group::all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
   Impl& g = impl("all_reduce");
   if (DirectCollectives* d = g.direct_for(g.options.algorithm)) {
-    if (g.run_inline("all_reduce", [&](Deadline deadline) { d->all_reduce(send, recv, count, dtype, op, deadline); })) {
+    if (g.run_inline("all_reduce", count * size_of(dtype), -1, [&](Deadline deadline) { d->all_reduce(send, recv, count, dtype, op, deadline); })) {
       return;
     }
   }
@@ -698,7 +765,8 @@ void Group::broadcast(void* buffer, size_t count, DataType dtype, int root) {
 void Group::reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) {
   Impl& g = impl("reduce");
   check_root(root, size(), "reduce");
-  g.run_plan("reduce", plan_reduce(Algorithm::binomial, rank(), size(), count, root), send, recv, dtype, op, true)
+  g.run_plan("reduce", plan_reduce(Algorithm::binomial, rank(), size(), count, root), send, recv, dtype, op, true,
+             count * size_of(dtype), root)
       .wait();
 }
 
@@ -731,7 +799,7 @@ void Group::all_to_all(const void* send, void* recv, size_t count, DataType dtyp
 void Group::barrier() {
   Impl& g = impl("barrier");
   if (DirectCollectives* d = g.direct_for(g.options.algorithm)) {
-    if (g.run_inline("barrier", [&](Deadline deadline) { d->barrier(deadline); })) return;
+    if (g.run_inline("barrier", 0, -1, [&](Deadline deadline) { d->barrier(deadline); })) return;
     g.run_direct("barrier", true, [](DirectCollectives& dc, Deadline deadline) { dc.barrier(deadline); }).wait();
     return;
   }

@@ -1,5 +1,6 @@
 #include "dtrain/launch/launcher.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -10,9 +11,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <fstream>
 #include <memory>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
@@ -67,6 +71,74 @@ std::string describe(const WorkerExit& w) {
                      w.stopped_by_launcher ? " after the launcher stopped it" : "");
 }
 
+// The flight records the workers dumped on their first failure (DTRAIN_FLIGHT_DIR/rank-R.json):
+// for each rank, the operation it was in (or its last one), so the report says who waited on
+// whom. Files that cannot be read are named, not fatal.
+std::string flight_summary(const std::string& dir) {
+  std::vector<std::string> files;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.starts_with("rank-") && name.ends_with(".json")) files.push_back(name);
+    }
+    ::closedir(d);
+  }
+  std::sort(files.begin(), files.end(), [](const std::string& a, const std::string& b) {
+    return std::strtol(a.c_str() + 5, nullptr, 10) < std::strtol(b.c_str() + 5, nullptr, 10);
+  });
+  std::string out;
+  for (const std::string& name : files) {
+    const std::string path = dir + "/" + name;
+    try {
+      std::ifstream in(path);
+      const nlohmann::json j = nlohmann::json::parse(in);
+      std::string line;
+      for (const auto& g : j.at("groups")) {
+        const auto& entries = g.at("entries");
+        if (entries.empty()) continue;
+        // The oldest operation that did not complete, else the last one.
+        const nlohmann::json* pick = &entries.back();
+        for (const auto& e : entries) {
+          if (e.at("state") != "done") {
+            pick = &e;
+            break;
+          }
+        }
+        const auto& e = *pick;
+        const std::string state = e.at("state");
+        const double started = e.at("started_ms_ago").is_number() ? e.at("started_ms_ago").get<double>() : 0.0;
+        const double finished = e.at("finished_ms_ago").is_number() ? e.at("finished_ms_ago").get<double>() : 0.0;
+        std::string what = fmt::format("{} #{} ({} bytes{}) on group '{}' (rank {} of {}, {})",
+                                       e.at("op").get<std::string>(), e.at("seq").get<uint64_t>(),
+                                       e.at("bytes").get<uint64_t>(),
+                                       e.at("peer").get<int>() >= 0 ? fmt::format(", peer/root {}", e.at("peer").get<int>()) : "",
+                                       g.at("group").get<std::string>(), g.at("rank").get<int>(), g.at("size").get<int>(),
+                                       g.at("transport").get<std::string>());
+        if (state == "done") {
+          line += fmt::format("\n    last completed {}", what);
+        } else {
+          line += fmt::format("\n    {} {} after {:.0f} ms", state, what, std::max(0.0, started - finished));
+          if (!e.at("error").get<std::string>().empty()) line += ": " + e.at("error").get<std::string>();
+        }
+      }
+      out += fmt::format("  rank {}:{}\n", j.at("rank").get<std::string>(), line.empty() ? " no operations" : line);
+    } catch (const std::exception& e) {
+      out += fmt::format("  {}: unreadable flight record ({})\n", path, e.what());
+    }
+  }
+  return out;
+}
+
+void remove_directory(const std::string& dir) {
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      if (e->d_name[0] != '.') ::unlink((dir + "/" + e->d_name).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(dir.c_str());
+}
+
 }  // namespace
 
 LaunchResult run_launch(const LaunchOptions& o) {
@@ -101,6 +173,20 @@ LaunchResult run_launch(const LaunchOptions& o) {
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
 
+  // Where the workers dump their flight records on a failure: the user's DTRAIN_FLIGHT_DIR,
+  // else a fresh directory removed after a clean run and kept (and named) after a failure.
+  std::string flight_dir;
+  bool own_flight_dir = false;
+  if (const char* env = std::getenv("DTRAIN_FLIGHT_DIR"); env != nullptr && *env != '\0') {
+    flight_dir = env;
+  } else {
+    char tmpl[] = "/tmp/dtrain-flight-XXXXXX";
+    if (::mkdtemp(tmpl) != nullptr) {
+      flight_dir = tmpl;
+      own_flight_dir = true;
+    }
+  }
+
   const int world = o.nnodes * o.nproc_per_node;
   std::vector<Worker> workers(static_cast<size_t>(o.nproc_per_node));
   for (int local = 0; local < o.nproc_per_node; ++local) {
@@ -134,6 +220,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       ::setenv("DTRAIN_SECRET", secret.c_str(), 1);
       ::setenv("DTRAIN_STORE_HOSTED", "1", 1);
+      if (!flight_dir.empty()) ::setenv("DTRAIN_FLIGHT_DIR", flight_dir.c_str(), 1);
       std::vector<char*> argv;
       for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
@@ -228,6 +315,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
         stop_deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
         stop_all(SIGTERM);
+        stop_all(SIGCONT);  // a stopped (hung) worker takes its SIGTERM now, not at the SIGKILL
       }
     }
     if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
@@ -277,7 +365,15 @@ LaunchResult run_launch(const LaunchOptions& o) {
         result.report += describe(w) + "\n";
       }
     }
+    if (!flight_dir.empty()) {
+      const std::string summary = flight_summary(flight_dir);
+      if (!summary.empty()) {
+        result.report += fmt::format("flight records ({}):\n{}", flight_dir, summary);
+        own_flight_dir = false;  // kept for the user
+      }
+    }
   }
+  if (own_flight_dir) remove_directory(flight_dir);
   return result;
 }
 

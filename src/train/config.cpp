@@ -72,6 +72,10 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"min-workers", &c.min_workers,
        "elastic: when a worker fails on two starts in a row, go on with fewer data-parallel replicas as long as "
        "this many processes remain (0 = never; global batch kept)"},
+      {"timeout", &c.timeout, "seconds a collective or point-to-point call waits for its peers before it fails"},
+      {"heartbeat-timeout", &c.heartbeat_timeout,
+       "seconds without a rank's heartbeat (dead, stopped, unreachable) before every rank stops with a report (0 = "
+       "off)"},
       {"trace", &c.trace, "write a Chrome/Perfetto trace (JSON) of forward, backward, communication, optimizer"},
       {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
       {"threads", &c.threads, "BLAS threads per process"},
@@ -250,6 +254,9 @@ void finalize(TrainConfig& c) {
            c.max_restarts);
   DT_CHECK(c.checkpoint_every == 0 || !c.checkpoint_dir.empty(), "config",
            "--checkpoint-every {} needs --checkpoint-dir", c.checkpoint_every);
+  DT_CHECK(c.timeout > 0.0 && c.heartbeat_timeout >= 0.0, "config",
+           "--timeout {} must be positive and --heartbeat-timeout {} non-negative (seconds)", c.timeout,
+           c.heartbeat_timeout);
   DT_CHECK(c.max_restarts == 0 || !c.checkpoint_dir.empty(), "config",
            "--max-restarts {} needs --checkpoint-dir (a restart resumes from the last checkpoint)", c.max_restarts);
   DT_CHECK(c.zero == 0 || c.dp > 1, "config", "--zero {} shards over data-parallel ranks: it needs --dp 2 or more",

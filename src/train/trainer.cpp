@@ -1,5 +1,8 @@
 #include "dtrain/train/trainer.h"
 
+#include <dirent.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -9,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -256,15 +260,22 @@ std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> loca
 }
 
 // DTRAIN_FAULT: faults to inject, for tests and demonstrations. A comma-separated list of
-// kill:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A]: rank R kills itself with
-// SIGKILL when it starts step S (1-based); with phase=allreduce, after its backward, when the
-// other ranks are in (or entering) the gradient all_reduce; with phase=checkpoint, in the
-// middle of writing the checkpoint of step S (its file written, the manifest not yet). Only on
-// start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through;
+// KIND:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A][:ms=M]. Rank R acts when it
+// starts step S (1-based); with phase=allreduce, after its backward, when the other ranks are
+// in (or entering) the gradient all_reduce; with phase=checkpoint, in the middle of writing the
+// checkpoint of step S (its file written, the manifest not yet). KIND is
+//   kill   SIGKILL itself (a crash);
+//   stop   SIGSTOP itself (a hung process: only the heartbeats can tell);
+//   delay  sleep M ms (a straggler: the run goes on unless M exceeds --timeout);
+//   drop   shut down every socket it holds (a lost network: store and TCP peers).
+// Only on start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through;
 // attempt=any fires on every start (a worker that cannot come back).
 enum class FaultPhase { step, allreduce, checkpoint };
+enum class FaultKind { kill, stop, delay, drop };
 
 struct Fault {
+  FaultKind kind = FaultKind::kill;
+  int64_t ms = 0;
   int rank = -1;
   int64_t step = -1;
   FaultPhase phase = FaultPhase::step;
@@ -284,7 +295,7 @@ std::vector<Fault> faults_from_env(int rank) {
     const std::string one = all.substr(at, comma - at);
     at = comma + 1;
     Fault f;
-    bool kill = false;
+    bool kind_given = false;
     size_t p = 0;
     while (p <= one.size()) {
       const size_t colon = std::min(one.find(':', p), one.size());
@@ -293,8 +304,14 @@ std::vector<Fault> faults_from_env(int rank) {
       const size_t eq = part.find('=');
       const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
       try {
-        if (part == "kill") {
-          kill = true;
+        if (!kind_given && (part == "kill" || part == "stop" || part == "delay" || part == "drop")) {
+          kind_given = true;
+          f.kind = part == "kill"   ? FaultKind::kill
+                   : part == "stop" ? FaultKind::stop
+                   : part == "delay" ? FaultKind::delay
+                                     : FaultKind::drop;
+        } else if (key == "ms") {
+          f.ms = std::stoll(value);
         } else if (key == "rank") {
           f.rank = std::stoi(value);
         } else if (key == "step") {
@@ -310,24 +327,58 @@ std::vector<Fault> faults_from_env(int rank) {
       } catch (const std::exception&) {
         DT_THROW("train",
                  "DTRAIN_FAULT '{}': cannot read '{}' (expected "
-                 "kill:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A|any])",
+                 "kill|stop|delay|drop:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A|any][:ms=M])",
                  spec, part);
       }
     }
-    DT_CHECK(kill && f.rank >= 0 && f.step >= 1, "train",
-             "DTRAIN_FAULT '{}': '{}' needs kill, rank=R and step=S (S >= 1)", spec, one);
+    DT_CHECK(kind_given && f.rank >= 0 && f.step >= 1, "train",
+             "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay or drop) first, rank=R and step=S (S >= 1)", spec,
+             one);
+    DT_CHECK((f.kind == FaultKind::delay) == (f.ms > 0), "train",
+             "DTRAIN_FAULT '{}': '{}': ms=M (M > 0) goes with delay, and only with delay", spec, one);
     if (f.rank == rank && (f.attempt == attempt || f.attempt < 0)) out.push_back(f);
   }
   return out;
 }
 
+// Shuts down every socket of this process: its connections to the store and to TCP peers
+// break as if the network went away (the peers read end-of-stream, later writes fail).
+void drop_connections() {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return;
+  std::vector<int> fds;
+  while (const dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] != '.') fds.push_back(std::atoi(e->d_name));
+  }
+  ::closedir(dir);
+  for (int fd : fds) {
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode)) ::shutdown(fd, SHUT_RDWR);
+  }
+}
+
 void maybe_fail(const std::vector<Fault>& faults, int64_t step, FaultPhase phase) {
   static const char* const where[] = {"", " before its gradient all_reduce", " during its checkpoint write"};
   for (const Fault& f : faults) {
-    if (f.step == step && f.phase == phase) {
-      DT_LOG_WARN("DTRAIN_FAULT: killing this rank (pid {}) at step {}{}", ::getpid(), step,
-                  where[static_cast<int>(phase)]);
-      ::raise(SIGKILL);
+    if (f.step != step || f.phase != phase) continue;
+    const char* at = where[static_cast<int>(phase)];
+    switch (f.kind) {
+      case FaultKind::kill:
+        DT_LOG_WARN("DTRAIN_FAULT: killing this rank (pid {}) at step {}{}", ::getpid(), step, at);
+        ::raise(SIGKILL);
+        break;
+      case FaultKind::stop:
+        DT_LOG_WARN("DTRAIN_FAULT: stopping this rank (pid {}, SIGSTOP) at step {}{}", ::getpid(), step, at);
+        ::raise(SIGSTOP);
+        break;
+      case FaultKind::delay:
+        DT_LOG_WARN("DTRAIN_FAULT: delaying this rank by {} ms at step {}{}", f.ms, step, at);
+        std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
+        break;
+      case FaultKind::drop:
+        DT_LOG_WARN("DTRAIN_FAULT: dropping every connection of this rank (pid {}) at step {}{}", ::getpid(), step, at);
+        drop_connections();
+        break;
     }
   }
 }
@@ -465,7 +516,10 @@ TrainResult run_training(const TrainConfig& requested) {
   parallel::MeshCoord coord;
   int rank = 0;
   if (world > 1) {
-    group = std::make_unique<comm::Group>(comm::Group::from_env());
+    comm::GroupOptions options;
+    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.timeout * 1000.0));
+    options.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.heartbeat_timeout * 1000.0));
+    group = std::make_unique<comm::Group>(comm::Group::from_env(options));
     DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the launcher started {} (WORLD_SIZE)",
              cfg.dp, cfg.pp, cfg.tp, world, group->size());
     mesh = std::make_unique<parallel::Mesh>(*group, parallel::MeshShape{cfg.dp, cfg.pp, cfg.tp});

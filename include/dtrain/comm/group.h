@@ -56,7 +56,37 @@ struct GroupOptions {
   /// long wait (pipeline stages), at the price of a busy core: use it only when every rank on
   /// the host has a core to itself.
   std::chrono::microseconds spin{0};
+  /// Heartbeats (0: off). Every rank publishes a counter in the store every
+  /// `heartbeat_interval` (0: a fifth of the timeout) and watches the next rank's; one that
+  /// published nothing for `heartbeat_timeout` (dead, stopped, hung host, lost network) makes
+  /// the watcher abort every group of its process and tell the others through the store, so
+  /// every rank's pending operations raise within about the timeout, naming that rank. Only
+  /// the group created with it runs heartbeats (a split does not start its own).
+  Duration heartbeat_timeout{0};
+  Duration heartbeat_interval{0};
+  /// The store the heartbeats go through (null: the group's store). A TCP store client
+  /// serialises its requests, so give the heartbeat a connection of its own (from_env does).
+  std::shared_ptr<Store> heartbeat_store;
+  /// Operations kept in the group's flight record (see Group::flight_record()).
+  size_t flight_record_size = 256;
 };
+
+/// One operation in a group's flight record: the last `flight_record_size` operations, kept
+/// so that a failure can be explained afterwards (which call each rank was in, for how long).
+/// On the first failure in a process, every group's record is written to
+/// DTRAIN_FLIGHT_DIR/rank-R.json when that variable is set (dtrain launch sets it).
+struct FlightEntry {
+  enum class State : uint8_t { queued, running, done, failed };
+  uint64_t seq = 0;  // the collective (or point-to-point) sequence number on the group
+  std::string op;
+  bool collective = true;
+  size_t bytes = 0;  // payload per rank
+  int peer = -1;     // point to point: the peer; broadcast/reduce: the root
+  State state = State::queued;
+  Clock::time_point queued_at{}, started_at{}, finished_at{};
+  std::string error;
+};
+const char* name_of(FlightEntry::State s);
 
 class Work {
  public:
@@ -97,6 +127,8 @@ class Group {
   Group split(int color, int key) const;
   /// The same, with its own options (e.g. another algorithm or timeout) for the sub-group.
   Group split(int color, int key, const GroupOptions& options) const;
+  /// The last operations of this group, oldest first (see FlightEntry).
+  std::vector<FlightEntry> flight_record() const;
   /// What all_reduce of `bytes` bytes runs on this group: direct, ring, hd or rd.
   Algorithm all_reduce_algorithm(size_t bytes) const;
 

@@ -56,6 +56,8 @@ struct TrainConfig {
   bool checkpoint_async = false;  // write checkpoints on a background thread (commit at the next one)
   int max_restarts = 0;           // dtrain train's own launcher restarts the workers this often
   int min_workers = 0;            // elastic: go on with fewer data-parallel replicas, down to this many processes
+  double timeout = 300.0;         // seconds a collective or point-to-point call may wait
+  double heartbeat_timeout = 10.0;  // seconds without a rank's heartbeat before the job stops (0: off)
   std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
   // run
   uint64_t seed = 0;

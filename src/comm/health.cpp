@@ -1,0 +1,266 @@
+// Flight recorder, heartbeats and the registry of live groups (see health.h).
+#include "health.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <list>
+
+#include "dtrain/core/log.h"
+
+namespace dtrain::comm {
+
+const char* name_of(FlightEntry::State s) {
+  switch (s) {
+    case FlightEntry::State::queued:
+      return "queued";
+    case FlightEntry::State::running:
+      return "running";
+    case FlightEntry::State::done:
+      return "done";
+    case FlightEntry::State::failed:
+      return "failed";
+  }
+  return "?";
+}
+
+namespace health {
+
+// ---------------------------------------------------------------------------------- FlightRecorder
+
+uint64_t FlightRecorder::queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ring_.empty()) return UINT64_MAX;
+  const uint64_t id = next_++;
+  const size_t slot = id % ring_.size();
+  FlightEntry& e = ring_[slot];
+  e.seq = seq;
+  e.op = op;
+  e.collective = collective;
+  e.bytes = bytes;
+  e.peer = peer;
+  e.state = FlightEntry::State::queued;
+  e.queued_at = Clock::now();
+  e.started_at = e.finished_at = Clock::time_point{};
+  e.error.clear();
+  ids_[slot] = id;
+  return id;
+}
+
+FlightEntry* FlightRecorder::find(uint64_t id) {
+  if (ring_.empty() || id == UINT64_MAX) return nullptr;
+  const size_t slot = id % ring_.size();
+  return ids_[slot] == id ? &ring_[slot] : nullptr;
+}
+
+void FlightRecorder::started(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (FlightEntry* e = find(id)) {
+    e->state = FlightEntry::State::running;
+    e->started_at = Clock::now();
+  }
+}
+
+void FlightRecorder::ended(uint64_t id, const std::exception_ptr& error) {
+  std::string what;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& ex) {
+      what = ex.what();
+    } catch (...) {
+      what = "unknown error";
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (FlightEntry* e = find(id)) {
+    e->state = error ? FlightEntry::State::failed : FlightEntry::State::done;
+    e->finished_at = Clock::now();
+    if (e->started_at == Clock::time_point{}) e->started_at = e->finished_at;
+    e->error = std::move(what);
+  }
+}
+
+std::vector<FlightEntry> FlightRecorder::entries() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<FlightEntry> out;
+  const size_t n = ring_.size();
+  const uint64_t first = next_ > n ? next_ - n : 0;
+  for (uint64_t id = first; id < next_; ++id) out.push_back(ring_[id % n]);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------- Heartbeat
+//
+// Keys under the group's prefix: hb/R holds rank R's counter (or "exit" once it left cleanly),
+// hb/failed the first failure any rank found. Each rank watches only the next one, so the
+// store sees three small requests per rank and interval whatever the world size.
+
+namespace {
+constexpr const char* kExited = "exit";
+}
+
+Heartbeat::Heartbeat(std::shared_ptr<Store> store, std::string prefix, int rank, int size, Duration interval,
+                     Duration timeout, std::function<void(const std::string&)> on_failure)
+    : store_(std::move(store)),
+      prefix_(std::move(prefix)),
+      rank_(rank),
+      size_(size),
+      interval_(interval > Duration::zero() ? interval : std::max(Duration(1), timeout / 5)),
+      timeout_(timeout),
+      on_failure_(std::move(on_failure)) {
+  thread_ = std::thread([this] { run(); });
+}
+
+Heartbeat::~Heartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  // A clean exit is not a failure: the watcher stops watching this rank.
+  try {
+    if (!fired_) store_->set(fmt::format("{}/hb/{}", prefix_, rank_), kExited);
+  } catch (const std::exception&) {
+  }
+}
+
+void Heartbeat::report(const std::string& reason) {
+  try {
+    store_->compare_set(prefix_ + "/hb/failed", "", reason);
+  } catch (const std::exception&) {
+  }
+}
+
+void Heartbeat::run() {
+  const int watched = (rank_ + 1) % size_;
+  const std::string mine = fmt::format("{}/hb/{}", prefix_, rank_);
+  const std::string theirs = fmt::format("{}/hb/{}", prefix_, watched);
+  const std::string failed = prefix_ + "/hb/failed";
+  std::string last_seen;
+  Clock::time_point last_change = Clock::now();
+  uint64_t beat = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    lock.unlock();
+    std::string reason;
+    try {
+      store_->set(mine, std::to_string(++beat));
+      if (auto f = store_->try_get(failed); f && !f->empty()) {
+        reason = *f;
+      } else if (watched != rank_) {
+        const std::string now_seen = store_->try_get(theirs).value_or("");
+        const auto now = Clock::now();
+        if (now_seen == kExited) {
+          last_change = now;  // left cleanly: nothing to watch
+        } else if (now_seen != last_seen) {
+          last_seen = now_seen;
+          last_change = now;
+        } else if (now - last_change >= timeout_) {
+          reason = fmt::format(
+              "heartbeat: rank {} sent no heartbeat for {} ms (heartbeat timeout {} ms): it died, is stopped or hung, "
+              "or its host is unreachable",
+              watched, std::chrono::duration_cast<Duration>(now - last_change).count(), timeout_.count());
+          report(reason);
+        }
+      }
+    } catch (const std::exception& e) {
+      reason = fmt::format("heartbeat: rank {} cannot reach the rendezvous store: {}", rank_, e.what());
+    }
+    lock.lock();
+    if (!reason.empty() && !stop_) {
+      fired_ = true;
+      lock.unlock();
+      on_failure_(reason);
+      return;
+    }
+    cv_.wait_for(lock, interval_, [&] { return stop_; });
+  }
+}
+
+// ---------------------------------------------------------------------------------- registry
+
+struct Registration {
+  std::function<void(const std::string&)> abort;
+  std::function<std::string()> json;
+  ~Registration();
+};
+
+namespace {
+std::mutex& registry_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::list<Registration*>& registry() {
+  static std::list<Registration*> r;
+  return r;
+}
+std::atomic<bool> dumped{false};
+}  // namespace
+
+Registration::~Registration() {
+  std::lock_guard<std::mutex> lock(registry_mu());
+  registry().remove(this);
+}
+
+std::shared_ptr<Registration> register_group(std::function<void(const std::string&)> abort,
+                                             std::function<std::string()> json) {
+  auto r = std::make_shared<Registration>();
+  r->abort = std::move(abort);
+  r->json = std::move(json);
+  std::lock_guard<std::mutex> lock(registry_mu());
+  registry().push_back(r.get());
+  return r;
+}
+
+void abort_all(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(registry_mu());
+  for (Registration* r : registry()) r->abort(reason);
+}
+
+void dump_on_first_failure() {
+  const char* dir = std::getenv("DTRAIN_FLIGHT_DIR");
+  if (dir == nullptr || *dir == '\0' || dumped.exchange(true)) return;
+  const char* rank = std::getenv("RANK");
+  const std::string who = rank != nullptr ? rank : fmt::format("pid{}", ::getpid());
+  std::string body = fmt::format("{{\"rank\":\"{}\",\"pid\":{},\"groups\":[", who, ::getpid());
+  {
+    std::lock_guard<std::mutex> lock(registry_mu());
+    bool first = true;
+    for (Registration* r : registry()) {
+      body += (first ? "" : ",") + r->json();
+      first = false;
+    }
+  }
+  body += "]}\n";
+  const std::string path = fmt::format("{}/rank-{}.json", dir, who);
+  const std::string tmp = path + ".tmp";
+  if (FILE* f = std::fopen(tmp.c_str(), "w")) {
+    const bool ok = std::fwrite(body.data(), 1, body.size(), f) == body.size();
+    if (std::fclose(f) == 0 && ok && std::rename(tmp.c_str(), path.c_str()) == 0) return;
+  }
+  DT_LOG_WARN("cannot write the flight record to {}", path);
+}
+
+std::string json_escape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (u < 0x20 || u >= 0x7f) {
+      out += fmt::format("\\u{:04x}", u);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace health
+}  // namespace dtrain::comm
