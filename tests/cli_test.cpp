@@ -1,6 +1,10 @@
 // End-to-end tests of the dtrain tool: real processes, real data, small jobs.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <chrono>
@@ -8,7 +12,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -32,6 +38,54 @@ ProcessResult dtrain(const std::string& args, int limit_s = 240) {
   while (fgets(buf.data(), buf.size(), p) != nullptr) out += buf.data();
   const int status = pclose(p);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// Starts the dtrain binary in the background, its output going to `log`; returns its pid
+// (a timeout wrapper that passes signals on to it).
+pid_t dtrain_background(const std::string& args, const std::string& log, int limit_s = 240) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const std::string cmd = "exec timeout -k 5 " + std::to_string(limit_s) + " " + std::string(DTRAIN_BINARY) + " " +
+                            args + " >" + log + " 2>&1";
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int wait_code(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string slurp(const std::string& file) {
+  std::ifstream in(file);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Polls `file` until it contains `text` (true) or `limit` passed (false).
+bool wait_for_text(const std::string& file, const std::string& text, std::chrono::seconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < until) {
+    if (slurp(file).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
 }
 
 class Cli : public ::testing::Test {
@@ -409,6 +463,56 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
   EXPECT_NE(bad.code, 0) << bad.output;
   EXPECT_NE(bad.output.find("holds a checkpoint this run cannot continue: written with model"), std::string::npos)
       << bad.output;
+}
+
+// Elastic nodes: two node agents (--nnodes 1:2, 2 workers each) train with dp 4. Node 1 leaves
+// (its agent is stopped) while the job runs: node 0 goes on alone with 2 workers from the last
+// checkpoint. Node 1 comes back: node 0 stops its workers and the next round has 4 again. The
+// result matches the run that never changed size. The faults only hold rank 0 at a known
+// step (delay) so that the test knows when to act.
+TEST_F(Cli, AnElasticJobShrinksWhenANodeLeavesAndGrowsWhenItReturns) {
+  const std::string mlp = "train --model mlp --hidden 64,64 --batch-size 48 --optimizer sgd --lr 0.05 --steps 20 "
+                          "--progress=false --log-every 4";
+  ProcessResult ref = dtrain(mlp + " --dp 4 --save " + path("ref.dtm"));
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  ::setenv("DTRAIN_SECRET", "elastic-test-secret", 1);
+  ::setenv("DTRAIN_FAULT", "delay:rank=0:step=10:ms=60000:attempt=0,delay:rank=0:step=14:ms=60000:attempt=1", 1);
+  const std::string agent = "launch --nnodes 1:2 -n 2 --master-port " + std::to_string(free_port()) +
+                            " --last-call 1 --max-restarts 3 --node-rank ";
+  const std::string work = std::string(" -- ") + DTRAIN_BINARY + " " + mlp + " --dp 4 --min-workers 2 --checkpoint-dir " +
+                           path("ck") + " --checkpoint-every 4 --save " + path("el.dtm");
+  const pid_t a0 = dtrain_background(agent + "0" + work, path("a0.log"));
+  const pid_t a1 = dtrain_background(agent + "1" + work, path("a1.log"));
+  pid_t a1_again = -1;
+  const bool held = wait_for_text(path("a0.log"), "delaying this rank by 60000 ms at step 10", std::chrono::seconds(120));
+  ::kill(a1, SIGTERM);  // node 1 leaves
+  const int a1_code = wait_code(a1);
+  const bool held_again =
+      held && wait_for_text(path("a0.log"), "delaying this rank by 60000 ms at step 14", std::chrono::seconds(120));
+  if (held_again) a1_again = dtrain_background(agent + "1" + work, path("a1b.log"));  // node 1 returns
+  if (!held_again) ::kill(a0, SIGTERM);
+  const int a0_code = wait_code(a0);
+  const int a1_again_code = a1_again > 0 ? wait_code(a1_again) : -1;
+  ::unsetenv("DTRAIN_FAULT");
+  ::unsetenv("DTRAIN_SECRET");
+  const std::string log0 = slurp(path("a0.log"));
+  ASSERT_TRUE(held && held_again) << log0 << slurp(path("a1.log"));
+  EXPECT_NE(a1_code, 0);
+  EXPECT_EQ(a0_code, 0) << log0;
+  EXPECT_EQ(a1_again_code, 0) << slurp(path("a1b.log"));
+  EXPECT_NE(log0.find("round 0: 2 nodes (node ranks 0,1), this is node 0 of the round: ranks 0-1 of 4"),
+            std::string::npos)
+      << log0;
+  EXPECT_NE(log0.find("round 0 failed elsewhere: node 1 left"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("round 1: 1 node (node ranks 0), this is node 0 of the round: ranks 0-1 of 2"),
+            std::string::npos)
+      << log0;
+  EXPECT_NE(log0.find("2 data-parallel replicas instead of 4 (global batch 48 kept)"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("round 1: 1 node asked to join"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("round 2: 2 nodes (node ranks 0,1)"), std::string::npos) << log0;
+  EXPECT_NE(slurp(path("a1b.log")).find("this is node 1 of the round: ranks 2-3 of 4"), std::string::npos);
+  ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + path("el.dtm"));
+  EXPECT_EQ(d.code, 0) << d.output;
 }
 
 TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {

@@ -566,7 +566,10 @@ Group Group::from_env(GroupOptions options) {
     // Its own connection: the group's requests (a blocking get) must not hold up a heartbeat.
     options.heartbeat_store = connect_tcp_store(addr, static_cast<uint16_t>(port), secret, options.timeout);
   }
-  Group g = create(store, rank, size, options);
+  // An elastic job meets in rounds at one store: each round's world has a name of its own.
+  const char* run = std::getenv("DTRAIN_RUN_ID");
+  const std::string name = run != nullptr && *run != '\0' ? fmt::format("world@{}", run) : "world";
+  Group g = create(store, rank, size, options, name);
   g.impl_->keep_alive = server;
   return g;
 }

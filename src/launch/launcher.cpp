@@ -160,7 +160,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
   // Node 0 hosts the rendezvous store for the whole job.
   std::unique_ptr<comm::TcpStoreServer> server;
   int port = o.master_port;
-  if (o.node_rank == 0) {
+  if (o.node_rank == 0 && o.serve_store) {
     server = std::make_unique<comm::TcpStoreServer>(o.master_addr, static_cast<uint16_t>(port), secret);
     port = server->port();
   }
@@ -221,6 +221,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
       ::setenv("DTRAIN_SECRET", secret.c_str(), 1);
       ::setenv("DTRAIN_STORE_HOSTED", "1", 1);
       if (!flight_dir.empty()) ::setenv("DTRAIN_FLIGHT_DIR", flight_dir.c_str(), 1);
+      if (!o.run_id.empty()) ::setenv("DTRAIN_RUN_ID", o.run_id.c_str(), 1);
       std::vector<char*> argv;
       for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
@@ -276,6 +277,19 @@ LaunchResult run_launch(const LaunchOptions& o) {
       }
       stop_all(c);
     }
+    // Asked to stop from outside (elastic: another node failed or wants to join).
+    if (o.interrupt && !stopping) {
+      const std::string why = o.interrupt();
+      if (!why.empty()) {
+        stopping = true;
+        result.interrupted = true;
+        result.report += why + "\n";
+        stop_deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
+        stop_all(SIGTERM);
+        stop_all(SIGCONT);
+      }
+    }
     // Output.
     for (auto& w : workers) {
       for (int* fd : {&w.out_fd, &w.err_fd}) {
@@ -309,7 +323,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
         w.exit.exit_code = WEXITSTATUS(status);
       }
       const bool failed = w.exit.signal != 0 || w.exit.exit_code != 0;
-      if (failed && !stopping) {
+      if (failed && !stopping && !result.interrupted) {
         stopping = true;
         result.report += describe(w.exit) + "\n";
         stop_deadline = std::chrono::steady_clock::now() +
@@ -355,6 +369,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
     result.workers.push_back(w.exit);
     if (w.exit.signal != 0 || w.exit.exit_code != 0) result.exit_code = 1;
   }
+  result.received_signal = received_signal;
   if (received_signal != 0) {
     result.report += fmt::format("stopped by signal {} ({})\n", received_signal, ::strsignal(received_signal));
     result.exit_code = 128 + received_signal;

@@ -68,7 +68,26 @@ int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output,
   return tools::run_launch(lo);
 }
 
+void parse_nnodes(const std::string& text, launch::LaunchOptions& opts) {
+  const size_t colon = text.find(':');
+  auto number = [&](const std::string& part) {
+    char* end = nullptr;
+    const long v = std::strtol(part.c_str(), &end, 10);
+    DT_CHECK(!part.empty() && *end == '\0' && v >= 1 && v <= 4096, "launch",
+             "--nnodes '{}': expected N or MIN:MAX with 1 <= MIN <= MAX <= 4096", text);
+    return static_cast<int>(v);
+  };
+  if (colon == std::string::npos) {
+    opts.nnodes = number(text);
+    return;
+  }
+  opts.min_nodes = number(text.substr(0, colon));
+  opts.max_nodes = number(text.substr(colon + 1));
+  DT_CHECK(opts.min_nodes <= opts.max_nodes, "launch", "--nnodes '{}': MIN is more than MAX", text);
+}
+
 int run_launch(const launch::LaunchOptions& options) {
+  if (options.max_nodes > 0) return launch::run_elastic(options);
   launch::LaunchOptions opts = options;
   DT_CHECK(opts.max_restarts >= 0, "launch", "--max-restarts {} must be non-negative", opts.max_restarts);
   const int min_workers = opts.min_workers > 0 ? opts.min_workers : opts.nproc_per_node;

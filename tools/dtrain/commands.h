@@ -59,6 +59,8 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv);
 int run_diff(const DiffOptions& opts);
 int run_bench_gemm(const BenchOptions& opts);
 int run_launch(const launch::LaunchOptions& opts);
+/// --nnodes N (fixed) or MIN:MAX (elastic) into opts.nnodes / min_nodes / max_nodes.
+void parse_nnodes(const std::string& text, launch::LaunchOptions& opts);
 /// Runs `argv` (this tool's command line) on `n` local workers under dtrain launch.
 int launch_self(int n, const std::vector<std::string>& argv, bool prefix_output, int max_restarts = 0,
                 int min_workers = 0);

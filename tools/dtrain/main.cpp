@@ -28,7 +28,14 @@ int main(int argc, char** argv) {
   dtrain::launch::LaunchOptions launch_opts;
   CLI::App* launch = app.add_subcommand("launch", "start N local workers of a job: dtrain launch -n N -- PROGRAM ARGS...");
   launch->add_option("-n,--nproc-per-node", launch_opts.nproc_per_node, "workers on this node")->capture_default_str();
-  launch->add_option("--nnodes", launch_opts.nnodes, "nodes in the job")->capture_default_str();
+  std::string nnodes = "1";
+  launch->add_option("--nnodes", nnodes,
+                     "nodes in the job: N, or MIN:MAX for an elastic job (nodes may leave and join; the workers "
+                     "restart from their checkpoints in each new world)")
+      ->capture_default_str();
+  launch->add_option("--last-call", launch_opts.last_call_seconds,
+                     "elastic: once MIN nodes are in, seconds to wait for more before starting")
+      ->capture_default_str();
   launch->add_option("--node-rank", launch_opts.node_rank, "this node's index (node 0 hosts the store)")
       ->capture_default_str();
   launch->add_option("--master-addr", launch_opts.master_addr, "address of node 0's store")->capture_default_str();
@@ -108,7 +115,10 @@ int main(int argc, char** argv) {
       return dtrain::tools::run_train(train_cfg, std::vector<std::string>(argv, argv + argc));
     }
     if (diff->parsed()) return dtrain::tools::run_diff(diff_opts);
-    if (launch->parsed()) return dtrain::tools::run_launch(launch_opts);
+    if (launch->parsed()) {
+      dtrain::tools::parse_nnodes(nnodes, launch_opts);
+      return dtrain::tools::run_launch(launch_opts);
+    }
     if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
     if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
     if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));

@@ -112,6 +112,7 @@ class Group {
                       const std::string& name = "world");
   /// Joins the world described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR,
   /// MASTER_PORT, DTRAIN_SECRET); throws dtrain::Error naming a missing or malformed variable.
+  /// The group is named "world", or "world@ID" with DTRAIN_RUN_ID=ID (an elastic round).
   /// An empty options.bind_address becomes DTRAIN_BIND_ADDR if set, else the address of the
   /// local interface that routes to MASTER_ADDR (127.0.0.1 when the master is local).
   static Group from_env(GroupOptions options = {});

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -20,7 +21,17 @@ struct LaunchOptions {
   bool prefix_output = true;
   int max_restarts = 0;            // after a failure, start all workers again (DTRAIN_RESTART=attempt)
   int min_workers = 0;             // elastic: fewest workers to go on with (0: all of -n)
+  /// Elastic nodes (--nnodes MIN:MAX): see run_elastic. 0: a fixed --nnodes.
+  int min_nodes = 0, max_nodes = 0;
+  double last_call_seconds = 3.0;     // elastic: once MIN nodes joined a round, wait this long for more
+  double join_timeout_seconds = 600;  // elastic: give up when MIN nodes did not join within this
   std::vector<std::string> command;  // PROGRAM ARGS...
+
+  // Set by the elastic agent for one round of workers (not options of the tool):
+  bool serve_store = true;  // node 0 serves the rendezvous store (false: someone else does)
+  std::string run_id;       // DTRAIN_RUN_ID for the workers: their groups' names in the store
+  /// Polled while the workers run: a non-empty reason stops them (LaunchResult::interrupted).
+  std::function<std::string()> interrupt;
 };
 
 /// What happened to one worker.
@@ -36,9 +47,21 @@ struct LaunchResult {
   int exit_code = 0;  // 0 when every worker exited 0
   std::vector<WorkerExit> workers;
   std::string report;  // human-readable summary of failures
+  bool interrupted = false;  // stopped because interrupt() asked, not because a worker failed
+  int received_signal = 0;   // the launcher itself was told to stop (SIGINT, SIGTERM)
 };
 
 /// Runs the job to completion. Throws dtrain::Error for bad options (before starting anything).
 LaunchResult run_launch(const LaunchOptions& options);
+
+/// An elastic job (--nnodes MIN:MAX): this node's agent. The agents meet in rounds at the
+/// store (served by the agent with --node-rank 0, which must stay up); a round closes when MAX
+/// nodes joined, or MIN did and no other came within last_call_seconds. Its members, ordered
+/// by --node-rank, form the world (nodes x -n workers). The round ends when the workers
+/// finish (done), when a worker on any node fails (a restart: at most --max-restarts), or when
+/// a node asks to join (the workers stop and a larger round forms). Workers resume from their
+/// checkpoints in whatever world the round has; DTRAIN_RESTART is the round number. Returns
+/// the exit code.
+int run_elastic(const LaunchOptions& options);
 
 }  // namespace dtrain::launch

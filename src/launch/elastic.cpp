@@ -1,0 +1,170 @@
+// The elastic agent (dtrain launch --nnodes MIN:MAX): node agents meet in numbered rounds at
+// the rendezvous store and run one world of workers per round.
+//
+// Store keys, for round R:
+//   elastic/R/joined    how many agents asked to join (an agent's join number is its slot)
+//   elastic/R/slot/J    the --node-rank of the agent with join number J
+//   elastic/R/closed    the number of members, written once (compare-and-set) by whichever
+//                       agent closes the round; slots past it are late and join round R+1
+//   elastic/R/failed    why the round failed (the first node to see a failure writes it)
+// A running round ends early when elastic/(R+1)/joined becomes non-zero: a node is waiting.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "dtrain/comm/store.h"
+#include "dtrain/core/error.h"
+#include "dtrain/launch/launcher.h"
+
+namespace dtrain::launch {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string key(int64_t round, const std::string& what) { return fmt::format("elastic/{}/{}", round, what); }
+
+void say(const std::string& text) {
+  const std::string line = "dtrain launch: " + text + "\n";
+  std::fwrite(line.data(), 1, line.size(), stderr);
+}
+
+struct Membership {
+  int64_t round = 0;
+  std::vector<int> nodes;  // --node-rank of each member, ascending: the node index is the position
+  int index = -1;          // this node's position
+};
+
+int64_t parse_count(const std::string& text, const std::string& what) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  DT_CHECK(end != text.c_str() && *end == '\0' && v >= 0, "launch", "store key {} holds '{}', not a count", what, text);
+  return v;
+}
+
+// Joins the first round that is still open at or after `round` and waits until it closes.
+Membership join(comm::Store& store, int64_t round, const LaunchOptions& o) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(o.join_timeout_seconds);
+  const auto last_call = std::chrono::duration<double>(o.last_call_seconds);
+  const auto tick = std::chrono::milliseconds(50);
+  for (;; ++round) {
+    if (store.try_get(key(round, "closed"))) continue;
+    const int64_t slot = store.add(key(round, "joined"), 1);
+    store.set(key(round, fmt::format("slot/{}", slot)), std::to_string(o.node_rank));
+    auto enough_since = Clock::time_point::max();
+    while (true) {
+      if (auto closed = store.try_get(key(round, "closed"))) {
+        const int64_t n = parse_count(*closed, key(round, "closed"));
+        if (slot > n) break;  // late: the next round
+        Membership m;
+        m.round = round;
+        for (int64_t j = 1; j <= n; ++j) {
+          const std::string who = store.get(key(round, fmt::format("slot/{}", j)), std::chrono::seconds(30));
+          m.nodes.push_back(static_cast<int>(parse_count(who, key(round, fmt::format("slot/{}", j)))));
+        }
+        std::sort(m.nodes.begin(), m.nodes.end());
+        DT_CHECK(std::adjacent_find(m.nodes.begin(), m.nodes.end()) == m.nodes.end(), "launch",
+                 "round {}: two agents joined with the same --node-rank (give every node its own)", round);
+        m.index = static_cast<int>(std::find(m.nodes.begin(), m.nodes.end(), o.node_rank) - m.nodes.begin());
+        return m;
+      }
+      const int64_t joined = store.add(key(round, "joined"), 0);
+      const auto now = Clock::now();
+      if (joined >= o.max_nodes) {
+        store.compare_set(key(round, "closed"), "", std::to_string(o.max_nodes));
+      } else if (joined >= o.min_nodes) {
+        if (enough_since == Clock::time_point::max()) enough_since = now;
+        if (now - enough_since >= last_call) store.compare_set(key(round, "closed"), "", std::to_string(joined));
+      } else if (now > deadline) {
+        DT_THROW("launch", "round {}: only {} of at least {} nodes joined within {} s (--nnodes {}:{})", round, joined,
+                 o.min_nodes, o.join_timeout_seconds, o.min_nodes, o.max_nodes);
+      }
+      std::this_thread::sleep_for(tick);  // polling the store: nothing to wake us sooner
+    }
+  }
+}
+
+}  // namespace
+
+int run_elastic(const LaunchOptions& o) {
+  DT_CHECK(o.min_nodes >= 1 && o.max_nodes >= o.min_nodes, "launch", "--nnodes {}:{}: expected 1 <= MIN <= MAX",
+           o.min_nodes, o.max_nodes);
+  DT_CHECK(o.master_port > 0 && o.master_port < 65536, "launch",
+           "an elastic job needs --master-port (the store every node's agent meets at)");
+  DT_CHECK(o.node_rank >= 0, "launch", "--node-rank {} must be non-negative", o.node_rank);
+  const char* env = std::getenv("DTRAIN_SECRET");
+  DT_CHECK(env != nullptr && *env != '\0', "launch",
+           "an elastic job needs the same DTRAIN_SECRET on every node (export it before dtrain launch)");
+  const std::string secret = env;
+  // Node 0's agent serves the store for the job's whole life, across rounds.
+  std::unique_ptr<comm::TcpStoreServer> server;
+  if (o.node_rank == 0) {
+    server = std::make_unique<comm::TcpStoreServer>(o.master_addr, static_cast<uint16_t>(o.master_port), secret);
+  }
+  auto store = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(o.master_port), secret,
+                                       std::chrono::milliseconds(static_cast<int64_t>(o.join_timeout_seconds * 1000)));
+  int failures = 0;
+  for (int64_t round = 0;;) {
+    const Membership m = join(*store, round, o);
+    round = m.round;
+    say(fmt::format("round {}: {} node{} (node ranks {}), this is node {} of the round: ranks {}-{} of {}", round,
+                    m.nodes.size(), m.nodes.size() > 1 ? "s" : "", fmt::join(m.nodes, ","), m.index,
+                    m.index * o.nproc_per_node, (m.index + 1) * o.nproc_per_node - 1,
+                    static_cast<int>(m.nodes.size()) * o.nproc_per_node));
+    LaunchOptions lo = o;
+    lo.nnodes = static_cast<int>(m.nodes.size());
+    lo.node_rank = m.index;
+    lo.serve_store = false;
+    lo.secret = secret;
+    lo.run_id = std::to_string(round);
+    ::setenv("DTRAIN_RESTART", std::to_string(round).c_str(), 1);
+    bool other_failed = false;
+    auto last_poll = Clock::time_point{};
+    lo.interrupt = [&]() -> std::string {
+      const auto now = Clock::now();
+      if (now - last_poll < std::chrono::milliseconds(200)) return "";
+      last_poll = now;
+      if (auto f = store->try_get(key(round, "failed"))) {
+        other_failed = true;
+        return fmt::format("round {} failed elsewhere: {}", round, *f);
+      }
+      if (const int64_t waiting = store->add(key(round + 1, "joined"), 0); waiting > 0) {
+        return fmt::format("round {}: {} node{} asked to join; stopping the workers to form a larger world", round,
+                           waiting, waiting > 1 ? "s" : "");
+      }
+      return "";
+    };
+    const LaunchResult r = run_launch(lo);
+    if (r.exit_code == 0 && !r.interrupted) {
+      say(fmt::format("round {}: the workers finished", round));
+      return 0;
+    }
+    if (r.received_signal != 0) {
+      store->compare_set(key(round, "failed"), "",
+                         fmt::format("node {} left (its agent got signal {})", o.node_rank, r.received_signal));
+      say(fmt::format("round {}: stopped by signal {}; leaving the job", round, r.received_signal));
+      return r.exit_code;
+    }
+    if (!r.interrupted) {
+      store->compare_set(key(round, "failed"), "", fmt::format("on node {}: {}", o.node_rank, r.report));
+    }
+    const bool failed = !r.interrupted || other_failed;
+    say(fmt::format("round {} ended: {}", round, r.report));
+    if (failed && ++failures > o.max_restarts) {
+      say(fmt::format("giving up after {} failed round{} (--max-restarts {})", failures, failures > 1 ? "s" : "",
+                      o.max_restarts));
+      return r.exit_code != 0 ? r.exit_code : 1;
+    }
+    ++round;
+  }
+}
+
+}  // namespace dtrain::launch
