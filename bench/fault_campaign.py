@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Scheduled faults against a 4-process data-parallel run: nothing is lost.
+"""Scheduled faults (kill -9, a hung rank, a lost network, a straggler) against a 4-process data-parallel run: nothing is lost.
 
     /usr/bin/python3 bench/fault_campaign.py [--steps 40] [--every 5]
 
@@ -39,7 +39,17 @@ FAULTS = [
     "kill:rank=0:step=4",
     "kill:rank=3:step=38",
     "kill:rank=1:step=9,kill:rank=2:step=18:phase=allreduce:attempt=1,kill:rank=0:step=30:phase=checkpoint:attempt=2",
+    # A hung rank (SIGSTOP): nothing dies, only its missing heartbeats tell (--heartbeat-timeout).
+    "stop:rank=2:step=14",
+    "stop:rank=0:step=27:phase=allreduce",
+    # A rank that loses its network (every socket shut down): on one host only its store
+    # connection breaks, which its own heartbeat finds (tests/cli_test.cpp drops TCP peers).
+    "drop:rank=1:step=19",
+    # A straggler: slower, not failed; no restart.
+    "delay:rank=3:step=8:ms=1500",
 ]
+ENV = {}  # extra environment per fault
+HEARTBEAT_S = 2
 
 
 def t(s):
@@ -52,11 +62,12 @@ def run(args, tmp, name, fault, extra=()):
     cmd = [args.dtrain, "train", "--model", "mlp", "--hidden", "256,256", "--batch-size", "48", "--steps",
            str(args.steps), "--dp", "4", "--progress=false", "--log-every", "10", "--metrics", metrics,
            "--checkpoint-dir", ckpt, "--checkpoint-every", str(args.every), "--max-restarts", "3",
-           "--save", os.path.join(tmp, name + ".dtm")] + list(extra)
+           "--heartbeat-timeout", str(HEARTBEAT_S), "--save", os.path.join(tmp, name + ".dtm")] + list(extra)
     env = dict(os.environ)
     env.pop("DTRAIN_FAULT", None)
     if fault:
         env["DTRAIN_FAULT"] = fault
+        env.update(ENV.get(fault, {}))
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=900)
     if p.returncode != 0:
         sys.exit(f"run {name} ({fault}) failed with {p.returncode}:\n{p.stdout[-3000:]}")
@@ -78,8 +89,9 @@ def main():
         print(f"reference: {args.steps} steps, digest {ref['params_digest'][:16]}...", flush=True)
         for i, fault in enumerate(FAULTS):
             out, final = run(args, tmp, f"fault{i}", fault)
-            kills = [(t(m.group(1)), int(m.group(2))) for m in
-                     re.finditer(STAMP + r"\] \[warning\] DTRAIN_FAULT: killing this rank \(pid \d+\) at step (\d+)", out)]
+            kills = [(t(m.group(1)), int(m.group(2))) for m in re.finditer(
+                STAMP + r"\] \[warning\] DTRAIN_FAULT: (?:killing|stopping|dropping every connection of) this rank "
+                r"\(pid \d+(?:, SIGSTOP)?\) at step (\d+)", out)]
             fails = [t(m.group(1)) for m in re.finditer(r"dtrain launch: \[" + STAMP + r"\] job failed", out)]
             resumed = [(t(m.group(1)), int(m.group(2))) for m in
                        re.finditer(STAMP + r"\] \[info\] resumed from .*?/step-(\d+)", out)]
@@ -96,6 +108,8 @@ def main():
                 detect = (fails[k] - kill_t) * 1e3 if k < len(fails) else float("nan")
                 restart = resumes[k][0] - fails[k] if k < len(resumes) and k < len(fails) else float("nan")
                 done = kill_step if "phase=checkpoint" in fault.split(",")[k] else kill_step - 1
+                # A dropped connection under shm goes unnoticed until the heartbeat; a stopped rank
+                # until its heartbeat timeout: the survivors may finish a few steps meanwhile.
                 lost = done - resumes[k][1] if k < len(resumes) else float("nan")
                 row = {"fault": fault.split(",")[k], "detect_ms": detect, "restart_s": restart, "lost_steps": lost,
                        "resumed_from": resumes[k][1] if k < len(resumes) else None, "bitwise_equal": ok}
@@ -103,8 +117,15 @@ def main():
                 print(f"{row['fault']:52s} detect {detect:6.0f} ms  restart {restart:5.2f} s  resumed from step "
                       f"{row['resumed_from']}  lost {lost} steps  final params {'EQUAL' if ok else 'DIFFER'}",
                       flush=True)
-            if len(kills) != fault.count("kill"):
-                sys.exit(f"{fault}: {len(kills)} kills happened\n{out[-3000:]}")
+            if fault.startswith("delay"):
+                delayed = "delaying this rank by" in out
+                row = {"fault": fault, "detect_ms": None, "restart_s": None, "lost_steps": 0, "restarts": len(fails),
+                       "bitwise_equal": ok and delayed and not fails}
+                rows.append(row)
+                print(f"{fault:52s} {'delayed' if delayed else 'NOT DELAYED'}, {len(fails)} restarts, final params "
+                      f"{'EQUAL' if ok else 'DIFFER'}", flush=True)
+            elif len(kills) != sum(fault.count(k) for k in ("kill", "stop", "drop")):
+                sys.exit(f"{fault}: {len(kills)} faults happened\n{out[-3000:]}")
         # Elastic: rank 3 dies on every start, the launcher goes on with 3 workers after two
         # starts, the dp 4 checkpoint resumes as 3 replicas (SGD: the float sums change, the math
         # does not; compared with `dtrain diff`).

@@ -417,6 +417,27 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   EXPECT_TRUE(fs::exists(path("one/step-00000012/manifest.json")));
 }
 
+// Dropout masks depend only on the step (and the replica), not on what ran before: a GPT with
+// dropout killed mid-run resumes to exactly the parameters of the run that never stopped.
+TEST_F(Cli, AResumedRunWithDropoutDrawsTheSameMasks) {
+  const std::string plain = "train --model gpt --data text:" + corpus() +
+                            " --layers 2 --heads 2 --width 16 --seq-len 8 --batch-size 8 --steps 8 --dp 2"
+                            " --progress=false";
+  const std::string gpt = plain + " --dropout 0.2";
+  auto digest = [&](const std::string& metrics) { return final_record(metrics)["params_digest"].get<std::string>(); };
+  ASSERT_EQ(dtrain(gpt + " --metrics " + path("ref.jsonl")).code, 0);
+  ::setenv("DTRAIN_FAULT", "kill:rank=1:step=6", 1);
+  ProcessResult r = dtrain(gpt + " --checkpoint-dir " + path("ck") + " --checkpoint-every 2 --max-restarts 1 --metrics " +
+                           path("f.jsonl"));
+  ::unsetenv("DTRAIN_FAULT");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_EQ(digest("f.jsonl"), digest("ref.jsonl"));
+  // And the masks do change from step to step: without dropout the run ends elsewhere.
+  ASSERT_EQ(dtrain(plain + " --metrics " + path("nodrop.jsonl")).code, 0);
+  EXPECT_NE(digest("nodrop.jsonl"), digest("ref.jsonl"));
+}
+
 // A checkpoint written by one data-parallel / pipeline / ZeRO layout resumes in another, with
 // the optimizer state (SGD momentum here) cut to the new layout: the result matches the
 // uninterrupted run within float tolerance.

@@ -29,6 +29,20 @@ Tensor GELU::forward(const Tensor& x) { return ops::gelu(x); }
 
 Tensor Dropout::forward(const Tensor& x) { return ops::dropout(x, p_, is_training(), gen_); }
 
+void Dropout::reseed(uint64_t salt) {
+  // splitmix64 of the pair: nearby salts give unrelated streams.
+  uint64_t z = seed_ ^ (salt + 0x9e3779b97f4a7c15ULL + (seed_ << 6) + (seed_ >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  gen_.seed(z ^ (z >> 31));
+}
+
+void reseed_dropout(Module& module, uint64_t salt) {
+  module.apply([salt](Module& m) {
+    if (auto* d = dynamic_cast<Dropout*>(&m)) d->reseed(salt);
+  });
+}
+
 LinearAct::LinearAct(int64_t in, int64_t out, bool relu, Generator& gen)
     : fc_(register_module("fc", std::make_shared<Linear>(in, out, true, gen))), relu_(relu) {}
 

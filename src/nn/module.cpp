@@ -51,6 +51,11 @@ void Module::train(bool on) {
   for (auto& [name, child] : children_) child->train(on);
 }
 
+void Module::apply(const std::function<void(Module&)>& fn) {
+  fn(*this);
+  for (auto& [name, child] : children_) child->apply(fn);
+}
+
 void Sequential::add(const std::string& name, std::shared_ptr<Module> block) {
   blocks_.push_back(register_module(name, std::move(block)));
 }

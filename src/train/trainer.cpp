@@ -655,6 +655,8 @@ TrainResult run_training(const TrainConfig& requested) {
       return src.train->get(idx);
     };
     const auto t0 = Clock::now();
+    // Masks per (step, replica): the same on a resumed run, different between replicas.
+    nn::reseed_dropout(*model, (static_cast<uint64_t>(step) << 20) ^ static_cast<uint64_t>(coord.dp));
     optimizer->set_lr(sched.at(step));
     double step_loss = 0.0;
     for (int64_t a = 0; a < cfg.accumulate; ++a) {

@@ -36,14 +36,22 @@ class GELU : public Module {
 
 class Dropout : public Module {
  public:
-  Dropout(float p, uint64_t seed) : p_(p), gen_(seed) {}
+  Dropout(float p, uint64_t seed) : p_(p), seed_(seed), gen_(seed) {}
   Tensor forward(const Tensor& x) override;
   Generator& generator() { return gen_; }
+  /// Restarts the masks from a state that depends only on this module's seed and `salt`.
+  void reseed(uint64_t salt);
 
  private:
   float p_;
+  uint64_t seed_;
   Generator gen_;
 };
+
+/// Reseeds every Dropout in `module` from `salt` (the trainer passes the step and the
+/// data-parallel rank), so that the masks of a step do not depend on what ran before it: a run
+/// resumed from a checkpoint draws exactly the masks of the run that never stopped.
+void reseed_dropout(Module& module, uint64_t salt);
 
 /// Linear followed by an activation: one block of the MLP.
 class LinearAct : public Module {

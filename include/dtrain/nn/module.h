@@ -6,6 +6,7 @@
 // order being stable for a given model configuration.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -35,6 +36,8 @@ class Module {
   /// Training mode (dropout active) or evaluation mode, recursively.
   void train(bool on = true);
   bool is_training() const { return training_; }
+  /// Calls fn on this module and every descendant, parents first.
+  void apply(const std::function<void(Module&)>& fn);
 
  protected:
   Tensor register_parameter(const std::string& name, Tensor value);
