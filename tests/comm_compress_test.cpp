@@ -1,8 +1,12 @@
-// Gradient codecs (compress.h).
+// Gradient codecs and the compressed collectives (compress.h, Group::*_compressed).
 //
 // Codecs: exact payload sizes, the documented format bit for bit, the documented error bound
 // per element on random and adversarial inputs (zeros, one huge value, denormals, saturation,
-// NaN and infinities), and error feedback over many steps.
+// NaN and infinities), and error feedback over many steps. Collectives: ranks as threads over
+// shm and tcp, world sizes 1-8, counts 0, 1, primes and sizes that do not divide by the
+// world; every element within the bound derived from the codec's bound (below), all ranks
+// bitwise identical after all_reduce, the residual and the byte counts as documented, the
+// asynchronous forms, error feedback through the collective, and ranks that disagree.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -17,10 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "comm_test_util.h"
 #include "dtrain/comm/compress.h"
+#include "dtrain/comm/group.h"
 
 namespace dtrain::comm {
 namespace {
+
+using test_util::run_ranks;
 
 constexpr Codec kCodecs[] = {Codec::none, Codec::bf16, Codec::fp16, Codec::int8, Codec::int4};
 constexpr Codec kLossy[] = {Codec::bf16, Codec::fp16, Codec::int8, Codec::int4};
@@ -343,6 +351,374 @@ TEST(CompressCodec, NoneIsExactWithAZeroResidual) {
     ASSERT_EQ(std::bit_cast<uint32_t>(rt.decoded[i]), std::bit_cast<uint32_t>(x[i]));
     ASSERT_EQ(rt.residual[i], 0.0f);
   }
+}
+
+// ------------------------------------------------------------------ collectives
+
+// Rank q's input element i: normal values whose magnitude changes every 300 elements (so
+// chunks hold mixed magnitudes), different on each rank and for each salt.
+float input(int q, size_t i, uint64_t salt) {
+  uint64_t h = (static_cast<uint64_t>(q) + 1) * 0x9e3779b97f4a7c15ull ^ (i + 1) * 0xbf58476d1ce4e5b9ull ^ salt;
+  h ^= h >> 31;
+  h *= 0x94d049bb133111ebull;
+  h ^= h >> 29;
+  const double u = static_cast<double>(h >> 11) * 0x1p-53 * 2.0 - 1.0;  // [-1, 1)
+  static constexpr double kMagnitude[] = {1.0, 1e-2, 1e-4, 10.0};
+  return static_cast<float>(u * kMagnitude[(i / 300) % 4] * (1.0 + 0.25 * q));
+}
+
+std::vector<size_t> even_split(size_t count, int p) {
+  std::vector<size_t> c(static_cast<size_t>(p), count / static_cast<size_t>(p));
+  for (size_t q = 0; q < count % static_cast<size_t>(p); ++q) ++c[q];
+  return c;
+}
+
+// Per element, the bound on |result - exact| derived in compress_collectives.cpp, from every
+// rank's input: phase 1 (the other ranks' quantization, own block raw) + the f32 sum's rounding
+// (+ avg's division) + phase 2 (all_reduce: the result's quantization, its chunk's largest
+// value bounded through the first terms). Blocks are chunked from their own start.
+std::vector<double> derived_bound(Codec c, const std::vector<std::vector<float>>& x, const std::vector<size_t>& counts,
+                                  bool avg, bool phase2) {
+  const int p = static_cast<int>(x.size());
+  const size_t total = x[0].size();
+  std::vector<double> bound(total, 0), magnitude(total, 0);
+  size_t begin = 0;
+  for (int b = 0; b < p; ++b) {
+    const size_t len = counts[static_cast<size_t>(b)];
+    // Largest |x_q| of each chunk of the block (chunks from the block's start).
+    std::vector<std::vector<double>> cmax(static_cast<size_t>(p));
+    for (int q = 0; q < p; ++q) {
+      auto& m = cmax[static_cast<size_t>(q)];
+      m.assign((len + kQuantChunk - 1) / kQuantChunk, 0.0);
+      for (size_t j = 0; j < len; ++j) {
+        m[j / kQuantChunk] = std::max(m[j / kQuantChunk], std::fabs(double(x[static_cast<size_t>(q)][begin + j])));
+      }
+    }
+    for (size_t j = 0; j < len; ++j) {
+      double e1 = 0, abs_sum = 0, exact = 0;
+      for (int q = 0; q < p; ++q) {
+        const double v = x[static_cast<size_t>(q)][begin + j];
+        const double e = q == b ? 0.0 : max_error(c, std::fabs(v), cmax[static_cast<size_t>(q)][j / kQuantChunk]);
+        e1 += e;
+        abs_sum += std::fabs(v) + e;
+        exact += v;
+      }
+      double err = e1 + p * kU * abs_sum;  // the p-term f32 sum
+      double mag = std::fabs(exact) + err;
+      if (avg) {
+        err /= p;
+        mag /= p;
+        err += kU * mag;
+      }
+      bound[begin + j] = err;
+      magnitude[begin + j] = mag;
+    }
+    if (phase2) {
+      std::vector<double> m((len + kQuantChunk - 1) / kQuantChunk, 0.0);
+      for (size_t j = 0; j < len; ++j) m[j / kQuantChunk] = std::max(m[j / kQuantChunk], magnitude[begin + j]);
+      for (size_t j = 0; j < len; ++j) bound[begin + j] += max_error(c, magnitude[begin + j], m[j / kQuantChunk]);
+    }
+    begin += len;
+  }
+  return bound;
+}
+
+struct CollParam {
+  std::string transport;
+  int world;
+};
+
+class CompressCollectives : public ::testing::TestWithParam<CollParam> {
+ protected:
+  GroupOptions options() const {
+    GroupOptions o = test_util::quick_options();
+    o.transport = GetParam().transport;
+    o.secret = "compress-test-secret";
+    return o;
+  }
+};
+
+TEST_P(CompressCollectives, AllReduceWithinTheDerivedBoundAndIdenticalOnEveryRank) {
+  const int p = GetParam().world;
+  run_ranks(
+      p,
+      [&](Group& g) {
+        ASSERT_EQ(g.transport_kind(), GetParam().transport);
+        const int r = g.rank();
+        uint64_t salt = 0;
+        for (Codec c : kCodecs) {
+          for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
+            for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{4099}, size_t{70001}}) {
+              const std::string what = fmt::format("{} {} count {} rank {}", name_of(c), name_of(op), count, r);
+              ++salt;
+              std::vector<std::vector<float>> all(static_cast<size_t>(p), std::vector<float>(count));
+              for (int q = 0; q < p; ++q) {
+                for (size_t i = 0; i < count; ++i) all[static_cast<size_t>(q)][i] = input(q, i, salt);
+              }
+              std::vector<float> x = all[static_cast<size_t>(r)];
+              const bool in_place = salt % 2 == 0;
+              std::vector<float> out(count, -1.0f), residual(count, -9.0f);
+              CompressStats stats;
+              float* dst = in_place ? x.data() : out.data();
+              g.all_reduce_compressed(x.data(), dst, count, c, op, residual.data(), &stats);
+              const std::vector<float> result(dst, dst + count);
+
+              // Within the derived bound of the exact (double) result.
+              const std::vector<size_t> counts = even_split(count, p);
+              const auto bound = derived_bound(c, all, counts, op == ReduceOp::avg, true);
+              for (size_t i = 0; i < count; ++i) {
+                double exact = 0;
+                for (int q = 0; q < p; ++q) exact += all[static_cast<size_t>(q)][i];
+                if (op == ReduceOp::avg) exact /= p;
+                ASSERT_LE(std::fabs(result[i] - exact), bound[i]) << what << " element " << i;
+              }
+              // Bitwise identical on every rank.
+              std::vector<float> gathered(count * static_cast<size_t>(p));
+              g.all_gather(result.data(), gathered.data(), count, DataType::f32);
+              for (int q = 0; q < p; ++q) {
+                ASSERT_EQ(
+                    std::memcmp(gathered.data() + static_cast<size_t>(q) * count, result.data(), count * sizeof(float)),
+                    0)
+                    << what << ": rank " << q << " differs";
+              }
+              // Residual: the codec's own residual on the blocks this rank sent; on its own
+              // block (phase 2) bounded by the result's quantization error.
+              size_t begin = 0;
+              for (int q = 0; q < p; ++q) {
+                const size_t len = counts[static_cast<size_t>(q)];
+                const std::vector<float> block(
+                    all[static_cast<size_t>(r)].begin() + static_cast<ptrdiff_t>(begin),
+                    all[static_cast<size_t>(r)].begin() + static_cast<ptrdiff_t>(begin + len));
+                const RoundTrip rt = round_trip(c, block);
+                for (size_t j = 0; j < len; ++j) {
+                  const float res = residual[begin + j];
+                  if (p == 1) {
+                    ASSERT_EQ(res, 0.0f) << what;
+                  } else if (q != r) {
+                    ASSERT_EQ(res, rt.residual[j]) << what << " residual element " << begin + j;
+                  } else {
+                    const double factor = op == ReduceOp::avg ? p : 1;
+                    ASSERT_LE(std::fabs(res), factor * bound[begin + j] * (1 + 1e-6)) << what << " own residual";
+                  }
+                }
+                begin += len;
+              }
+              // Bytes: phase 1 sends the other blocks, phase 2 the own block to p-1 ranks.
+              uint64_t wire = 0, raw = 0;
+              for (int q = 0; q < p && p > 1; ++q) {
+                const size_t len = counts[static_cast<size_t>(q)];
+                const uint64_t times = q == r ? static_cast<uint64_t>(p - 1) : 1;
+                wire += times * encoded_bytes(c, len);
+                raw += times * 4 * len;
+              }
+              EXPECT_EQ(stats.wire_bytes_sent, wire) << what;
+              EXPECT_EQ(stats.raw_bytes, raw) << what;
+              if (p > 1 && count >= 4099 && c == Codec::int8) {
+                EXPECT_GE(double(raw) / double(wire), 3.5) << what;
+              }
+              if (p > 1 && count >= 4099 && c == Codec::int4) {
+                EXPECT_GE(double(raw) / double(wire), 7.0) << what;
+              }
+            }
+          }
+        }
+      },
+      options());
+}
+
+TEST_P(CompressCollectives, ReduceScatterWithinTheDerivedBound) {
+  const int p = GetParam().world;
+  run_ranks(
+      p,
+      [&](Group& g) {
+        const int r = g.rank();
+        uint64_t salt = 1000;
+        for (Codec c : kCodecs) {
+          for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
+            for (size_t block : {size_t{0}, size_t{1}, size_t{7}, size_t{513}, size_t{4099}}) {
+              const std::string what = fmt::format("{} {} block {} rank {}", name_of(c), name_of(op), block, r);
+              ++salt;
+              const size_t count = block * static_cast<size_t>(p);
+              std::vector<std::vector<float>> all(static_cast<size_t>(p), std::vector<float>(count));
+              for (int q = 0; q < p; ++q) {
+                for (size_t i = 0; i < count; ++i) all[static_cast<size_t>(q)][i] = input(q, i, salt);
+              }
+              const std::vector<float>& x = all[static_cast<size_t>(r)];
+              std::vector<float> out(block, -1.0f), residual(count, -9.0f);
+              CompressStats stats;
+              g.reduce_scatter_compressed(x.data(), out.data(), block, c, op, residual.data(), &stats);
+              const std::vector<size_t> counts(static_cast<size_t>(p), block);
+              const auto bound = derived_bound(c, all, counts, op == ReduceOp::avg, false);
+              const size_t mine = static_cast<size_t>(r) * block;
+              for (size_t j = 0; j < block; ++j) {
+                double exact = 0;
+                for (int q = 0; q < p; ++q) exact += all[static_cast<size_t>(q)][mine + j];
+                if (op == ReduceOp::avg) exact /= p;
+                ASSERT_LE(std::fabs(out[j] - exact), bound[mine + j]) << what << " element " << j;
+              }
+              for (int q = 0; q < p; ++q) {
+                const std::vector<float> part(x.begin() + static_cast<ptrdiff_t>(q * block),
+                                              x.begin() + static_cast<ptrdiff_t>((q + 1) * block));
+                const RoundTrip rt = round_trip(c, part);
+                for (size_t j = 0; j < block; ++j) {
+                  const float want = q == r ? 0.0f : rt.residual[j];
+                  ASSERT_EQ(residual[static_cast<size_t>(q) * block + j], want) << what << " residual, block " << q;
+                }
+              }
+              const uint64_t others = static_cast<uint64_t>(p - 1);
+              EXPECT_EQ(stats.wire_bytes_sent, others * encoded_bytes(c, block)) << what;
+              EXPECT_EQ(stats.raw_bytes, others * 4 * block) << what;
+            }
+          }
+        }
+      },
+      options());
+}
+
+// The asynchronous forms: queued in issue order with the other collectives, the same bits as
+// the blocking forms.
+TEST_P(CompressCollectives, AsyncFormsCompleteInIssueOrderWithTheBlockingResults) {
+  const int p = GetParam().world;
+  run_ranks(
+      p,
+      [&](Group& g) {
+        const size_t count = 5003;
+        std::vector<float> x(count), rs_in(count * static_cast<size_t>(p));
+        for (size_t i = 0; i < count; ++i) x[i] = input(g.rank(), i, 77);
+        for (size_t i = 0; i < rs_in.size(); ++i) rs_in[i] = input(g.rank(), i, 78);
+        std::vector<float> ar_ref(count), rs_ref(count), ar(count), rs(count), res_ref(count), res(count);
+        g.all_reduce_compressed(x.data(), ar_ref.data(), count, Codec::int4, ReduceOp::avg, res_ref.data());
+        g.reduce_scatter_compressed(rs_in.data(), rs_ref.data(), count, Codec::bf16, ReduceOp::sum);
+
+        int32_t token = 1, tokens = 0;
+        CompressStats stats;
+        Work w1 =
+            g.all_reduce_compressed_async(x.data(), ar.data(), count, Codec::int4, ReduceOp::avg, res.data(), &stats);
+        Work w2 = g.reduce_scatter_compressed_async(rs_in.data(), rs.data(), count, Codec::bf16, ReduceOp::sum, nullptr,
+                                                    &stats);
+        Work w3 = g.all_reduce_async(&token, &tokens, 1, DataType::i32, ReduceOp::sum);
+        w3.wait();
+        EXPECT_TRUE(w1.test());  // issued first, so finished first
+        EXPECT_TRUE(w2.test());
+        EXPECT_EQ(tokens, p);
+        EXPECT_EQ(std::memcmp(ar.data(), ar_ref.data(), count * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(rs.data(), rs_ref.data(), count * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(res.data(), res_ref.data(), count * sizeof(float)), 0);
+        if (p > 1) {
+          EXPECT_GT(stats.wire_bytes_sent, 0u);
+        }
+      },
+      options());
+}
+
+std::vector<CollParam> coll_params() {
+  std::vector<CollParam> v;
+  for (const char* t : {"shm", "tcp"}) {
+    for (int w = 1; w <= 8; ++w) v.push_back({t, w});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Compress, CompressCollectives, ::testing::ValuesIn(coll_params()),
+                         [](const ::testing::TestParamInfo<CollParam>& info) {
+                           return fmt::format("{}_world{}", info.param.transport, info.param.world);
+                         });
+
+// Error feedback through the collective: each rank adds its residual to its next input. Then
+//   sum_t out_t = (sum_t sum_q x_q,t - sum_q R_q,T) / p   (avg; up to f32 rounding),
+// so the running sum of results stays within one step's error of the running sum of exact
+// averages; without the feedback the same inputs drift away.
+TEST(CompressCollectiveFeedback, RunningSumOfResultsTracksTheExactSumOverSteps) {
+  const int p = 3;
+  const size_t count = 3000;
+  const int steps = 100;
+  run_ranks(
+      p,
+      [&](Group& g) {
+        const int r = g.rank();
+        std::vector<float> residual(count, 0.0f), in(count), out(count), plain(count), x(count);
+        std::vector<double> sum_out(count, 0), sum_plain(count, 0), sum_exact(count, 0), slack(count, 0);
+        for (int t = 0; t < steps; ++t) {
+          for (size_t i = 0; i < count; ++i) {
+            // A steady drift below the quantization step and a few values of about 1 that set
+            // the chunks' scales.
+            x[i] = 0.02f + (i % 211 == 0 ? (input(r, i, static_cast<uint64_t>(t)) > 0 ? 1.0f : -1.0f) : 0.0f);
+            in[i] = x[i] + residual[i];
+          }
+          g.all_reduce_compressed(in.data(), out.data(), count, Codec::int4, ReduceOp::avg, residual.data());
+          g.all_reduce_compressed(x.data(), plain.data(), count, Codec::int4, ReduceOp::avg);
+          // The exact average of the inputs of every rank, and a rounding slack for this step.
+          std::vector<float> exact(count), mags(count);
+          for (size_t i = 0; i < count; ++i) {
+            mags[i] = std::fabs(x[i]) + std::fabs(in[i]) + std::fabs(residual[i]) + std::fabs(out[i]);
+          }
+          g.all_reduce(x.data(), exact.data(), count, DataType::f32, ReduceOp::sum);
+          g.all_reduce(mags.data(), mags.data(), count, DataType::f32, ReduceOp::sum);
+          for (size_t i = 0; i < count; ++i) {
+            sum_out[i] += out[i];
+            sum_plain[i] += plain[i];
+            sum_exact[i] += static_cast<double>(exact[i]) / p;
+            slack[i] += 4 * p * kU * mags[i];
+          }
+        }
+        std::vector<float> residual_sum(count);
+        g.all_reduce(residual.data(), residual_sum.data(), count, DataType::f32, ReduceOp::sum);
+        double worst = 0, worst_plain = 0;
+        for (size_t i = 0; i < count; ++i) {
+          // The identity: the drift is the final residuals' average (up to the rounding slack).
+          const double drift = sum_out[i] - sum_exact[i];
+          ASSERT_NEAR(drift, -static_cast<double>(residual_sum[i]) / p, slack[i] + 1e-6) << "element " << i;
+          worst = std::max(worst, std::fabs(drift));
+          worst_plain = std::max(worst_plain, std::fabs(sum_plain[i] - sum_exact[i]));
+        }
+        // That is one step's error, far below what the same steps lose without feedback.
+        EXPECT_GT(worst_plain, 10 * worst) << "with feedback " << worst << ", without " << worst_plain;
+      },
+      test_util::quick_options());
+}
+
+// Ranks that disagree on the codec (same payload sizes: bf16 vs fp16) fail on every rank with
+// the tag mismatch, within the timeout, instead of decoding each other's bytes.
+TEST(CompressCollectiveErrors, RanksWithDifferentCodecsFailInsteadOfMisdecoding) {
+  GroupOptions opts = test_util::quick_options();
+  opts.timeout = std::chrono::milliseconds(3000);
+  opts.transport = "shm";
+  std::atomic<int> raised{0};
+  run_ranks(
+      2,
+      [&](Group& g) {
+        std::vector<float> x(1000, 1.0f), y(1000);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          g.all_reduce_compressed(x.data(), y.data(), x.size(), g.rank() == 0 ? Codec::bf16 : Codec::fp16,
+                                  ReduceOp::sum);
+          ADD_FAILURE() << "rank " << g.rank() << ": mismatched codecs were not detected";
+        } catch (const CommError& e) {
+          EXPECT_EQ(e.op(), "all_reduce_compressed");
+          EXPECT_NE(std::string(e.what()).find("expected tag"), std::string::npos) << e.what();
+          EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.5);
+          ++raised;
+        }
+      },
+      opts);
+  EXPECT_EQ(raised.load(), 2);
+}
+
+// Bad arguments raise in the caller's thread and leave the group usable.
+TEST(CompressCollectiveErrors, BadArgumentsRaiseWithoutBreakingTheGroup) {
+  run_ranks(2, [](Group& g) {
+    std::vector<float> x(64, 1.0f), y(64), res(64);
+    try {
+      g.all_reduce_compressed(x.data(), y.data(), 64, Codec::int8, ReduceOp::max);
+      ADD_FAILURE() << "max accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("all_reduce_compressed: op max is not supported"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_THROW(g.reduce_scatter_compressed(x.data(), y.data(), 32, Codec::int8, ReduceOp::sum, x.data() + 8), Error);
+    g.all_reduce_compressed(x.data(), y.data(), 64, Codec::int8, ReduceOp::sum, res.data());
+    EXPECT_NEAR(y[0], 2.0f, 2 * max_error(Codec::int8, 2.0, 2.0));
+  });
 }
 
 }  // namespace
