@@ -475,7 +475,7 @@ TEST_P(CompressCollectives, AllReduceWithinTheDerivedBoundAndIdenticalOnEveryRan
               // Bitwise identical on every rank.
               std::vector<float> gathered(count * static_cast<size_t>(p));
               g.all_gather(result.data(), gathered.data(), count, DataType::f32);
-              for (int q = 0; q < p; ++q) {
+              for (int q = 0; q < p && count > 0; ++q) {
                 ASSERT_EQ(
                     std::memcmp(gathered.data() + static_cast<size_t>(q) * count, result.data(), count * sizeof(float)),
                     0)
@@ -699,6 +699,32 @@ TEST(CompressCollectiveErrors, RanksWithDifferentCodecsFailInsteadOfMisdecoding)
           EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.5);
           ++raised;
         }
+      },
+      opts);
+  EXPECT_EQ(raised.load(), 2);
+}
+
+// A rank that never joins (and leaves): the others raise within the timeout, naming the
+// operation, and the group is broken afterwards (the rules of every collective).
+TEST(CompressCollectiveErrors, ARankThatNeverJoinsTimesOutAndBreaksTheGroup) {
+  GroupOptions opts = test_util::quick_options();
+  opts.timeout = std::chrono::milliseconds(500);
+  std::atomic<int> raised{0};
+  run_ranks(
+      3,
+      [&](Group& g) {
+        if (g.rank() == 2) return;
+        std::vector<float> x(5000, 1.0f), y(5000);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          g.reduce_scatter_compressed_async(x.data(), y.data(), 1000, Codec::int8, ReduceOp::avg).wait();
+          ADD_FAILURE() << "reduce_scatter_compressed returned without rank 2";
+        } catch (const CommError& e) {
+          EXPECT_EQ(e.op(), "reduce_scatter_compressed") << e.what();
+          EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 3.0);
+          ++raised;
+        }
+        EXPECT_THROW(g.all_reduce_compressed(x.data(), y.data(), 10, Codec::int8, ReduceOp::sum), CommError);
       },
       opts);
   EXPECT_EQ(raised.load(), 2);
