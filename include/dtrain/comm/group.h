@@ -129,7 +129,8 @@ class Group {
   /// those same bytes, so every rank ends with bitwise identical results. Ordering, timeout and
   /// failure rules are those of the other collectives (each is one collective on the group,
   /// with the message tags of its own sequence number); ranks that call them with different
-  /// codecs, ops or counts fail with an error naming both sides. Only ReduceOp::sum and avg.
+  /// codecs or ops fail with a tag mismatch naming both sides, different counts with a size
+  /// mismatch (or, when one side sends nothing, the timeout). Only ReduceOp::sum and avg.
   ///
   /// `residual` (optional, the size of `send`, overlapping neither buffer) receives what this
   /// rank's contribution lost to compression: x - decode(encode(x)) on the blocks it sent, and
