@@ -19,9 +19,11 @@
 
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/transport.h"
+#include "compress_collectives.h"
 #include "dtrain/core/log.h"
 #include "health.h"
 #include "net.h"
+#include "plan_common.h"
 
 namespace dtrain::comm {
 
@@ -693,6 +695,37 @@ Work p2p_impl(Impl& g, bool is_send, void* buffer, size_t count, DataType dtype,
   return g.start_p2p(is_send, buffer, count * size_of(dtype), peer, tag, blocking);
 }
 
+bool overlaps(const float* a, size_t na, const float* b, size_t nb) {
+  if (na == 0 || nb == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a);
+  const auto b0 = reinterpret_cast<uintptr_t>(b);
+  return a0 < b0 + nb * sizeof(float) && b0 < a0 + na * sizeof(float);
+}
+
+// The compressed collectives (compress_collectives.cpp), checked here in the caller's thread
+// so that a bad argument raises without breaking the group.
+Work compressed_impl(Impl& g, detail::CompressedKind kind, const float* send, float* recv, size_t block_count,
+                     Codec codec, ReduceOp op, float* residual, CompressStats* stats, bool blocking) {
+  const bool all_reduce = kind == detail::CompressedKind::all_reduce;
+  const char* name = all_reduce ? "all_reduce_compressed" : "reduce_scatter_compressed";
+  DT_CHECK(op == ReduceOp::sum || op == ReduceOp::avg, "comm", "{}: op {} is not supported (sum or avg)", name,
+           name_of(op));
+  DT_CHECK(codec <= Codec::int4, "comm", "{}: unknown codec {}", name, static_cast<int>(codec));
+  const auto p = static_cast<size_t>(g.size);
+  const size_t total = all_reduce ? block_count : block_count * p;
+  DT_CHECK(!overlaps(residual, total, send, total) && !overlaps(residual, total, recv, block_count), "comm",
+           "{}: the residual buffer overlaps the send or recv buffer", name);
+  detail::CompressedCall call{kind, send, recv, {}, codec, op, residual, stats};
+  call.counts = all_reduce ? detail::even_counts(block_count, g.size) : std::vector<size_t>(p, block_count);
+  return g.dispatch(
+      name, true, blocking,
+      [&g, call = std::move(call)](uint64_t seq, Deadline deadline) {
+        detail::execute_compressed(call, *g.transport, seq, deadline);
+        return true;
+      },
+      total * sizeof(float));
+}
+
 }  // namespace
 
 Impl& Group::impl(const char* op) const {
@@ -722,6 +755,32 @@ Work Group::send_async(const void* buffer, size_t count, DataType dtype, int pee
 
 Work Group::recv_async(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
   return p2p_impl(impl("recv"), false, buffer, count, dtype, peer, tag, false);
+}
+
+Work Group::all_reduce_compressed_async(const float* send, float* recv, size_t count, Codec codec, ReduceOp op,
+                                        float* residual, CompressStats* stats) {
+  return compressed_impl(impl("all_reduce_compressed"), detail::CompressedKind::all_reduce, send, recv, count, codec,
+                         op, residual, stats, false);
+}
+
+Work Group::reduce_scatter_compressed_async(const float* send, float* recv, size_t recv_count, Codec codec, ReduceOp op,
+                                            float* residual, CompressStats* stats) {
+  return compressed_impl(impl("reduce_scatter_compressed"), detail::CompressedKind::reduce_scatter, send, recv,
+                         recv_count, codec, op, residual, stats, false);
+}
+
+void Group::all_reduce_compressed(const float* send, float* recv, size_t count, Codec codec, ReduceOp op,
+                                  float* residual, CompressStats* stats) {
+  compressed_impl(impl("all_reduce_compressed"), detail::CompressedKind::all_reduce, send, recv, count, codec, op,
+                  residual, stats, true)
+      .wait();
+}
+
+void Group::reduce_scatter_compressed(const float* send, float* recv, size_t recv_count, Codec codec, ReduceOp op,
+                                      float* residual, CompressStats* stats) {
+  compressed_impl(impl("reduce_scatter_compressed"), detail::CompressedKind::reduce_scatter, send, recv, recv_count,
+                  codec, op, residual, stats, true)
+      .wait();
 }
 
 void Group::all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {

@@ -11,91 +11,24 @@
 // root's output, non-roots write none). So a data-movement collective (all_gather, broadcast,
 // ...) must be run with a non-avg op, e.g. ReduceOp::sum, which it ignores.
 //
-// Scratch: one 64-byte-aligned block per call, taken from a per-thread cache so that a
-// stream of collectives does not allocate. If a wait throws, requests may still be posted
-// against the scratch block; it is then never reused nor freed (it is parked, reachable).
+// Scratch: one block per call from the per-thread cache (scratch.h); if a wait throws, requests
+// may still be posted against it, so it is parked (never reused nor freed).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
-#include <new>
 #include <vector>
 
 #include "dtrain/comm/reduce.h"
 #include "plan_common.h"
+#include "scratch.h"
 
 namespace dtrain::comm {
 
 namespace {
 
-constexpr size_t kScratchAlign = 64;
-// Larger blocks are freed after the call rather than kept by the thread.
-constexpr size_t kScratchCacheMaxBytes = size_t{64} << 20;
-
-struct AlignedFree {
-  void operator()(std::byte* p) const { std::free(p); }
-};
-using AlignedBlock = std::unique_ptr<std::byte, AlignedFree>;
-
-AlignedBlock allocate_aligned(size_t bytes) {
-  const size_t rounded = (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
-  void* p = std::aligned_alloc(kScratchAlign, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-  return AlignedBlock(static_cast<std::byte*>(p));
-}
-
-struct ScratchCache {
-  AlignedBlock block;
-  size_t bytes = 0;
-};
-thread_local ScratchCache t_scratch;
-
-// Scratch that a failed wait may still write into: kept alive until exit.
-std::mutex g_parked_mu;
-std::vector<AlignedBlock>& parked() {
-  static auto* blocks = new std::vector<AlignedBlock>();  // never destroyed: outlives late writes
-  return *blocks;
-}
-
-class Scratch {
- public:
-  explicit Scratch(size_t bytes) {
-    if (bytes == 0) return;
-    if (bytes <= kScratchCacheMaxBytes) {
-      if (t_scratch.bytes < bytes) {
-        t_scratch.block.reset();
-        t_scratch.block = allocate_aligned(bytes);
-        t_scratch.bytes = bytes;
-      }
-      data_ = t_scratch.block.get();
-      cached_ = true;
-    } else {
-      own_ = allocate_aligned(bytes);
-      data_ = own_.get();
-    }
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() = default;
-
-  std::byte* data() const { return data_; }
-
-  /// After a failed wait: the transport may still complete requests into this block.
-  void park() {
-    AlignedBlock block = cached_ ? std::move(t_scratch.block) : std::move(own_);
-    if (cached_) t_scratch.bytes = 0;
-    if (block == nullptr) return;
-    std::lock_guard<std::mutex> lock(g_parked_mu);
-    parked().push_back(std::move(block));
-  }
-
- private:
-  std::byte* data_ = nullptr;
-  bool cached_ = false;
-  AlignedBlock own_;
-};
+using detail::Scratch;
 
 // Pointer for zero-byte messages: transports may not accept null.
 std::byte g_empty[1];

@@ -1,8 +1,11 @@
 // dtrain bench collectives: an nccl-tests style sweep of one collective over message sizes,
 // with p50/p99 latency, algorithm and bus bandwidth, an exact correctness check, the memcpy
 // bandwidth of this machine, and (--model) alpha/beta/gamma from ping-pong with the cost
-// model's prediction next to each measurement. Started without RANK in the environment it
-// launches -n copies of itself through dtrain launch.
+// model's prediction next to each measurement. With --compress CODECS it runs the compressed
+// all_reduce / reduce_scatter instead (comm/compress.h): busbw counts the uncompressed f32
+// bytes (effbw), wirebw the bytes on the wire, and the check accepts every element within the
+// collective's derived error bound. Started without RANK in the environment it launches -n
+// copies of itself through dtrain launch.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -14,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "dtrain/comm/compress.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/reduce.h"
 #include "dtrain/core/error.h"
@@ -32,6 +37,7 @@ namespace dtrain::tools {
 namespace {
 
 using comm::Algorithm;
+using comm::Codec;
 using comm::DataType;
 using comm::Group;
 using comm::ReduceOp;
@@ -137,6 +143,8 @@ struct Case {
   size_t count;  // elements of the whole vector
   size_t block;  // elements per rank where the collective has blocks
   std::vector<char> send, recv;
+  std::optional<Codec> codec;  // the compressed collective (f32 all_reduce / reduce_scatter)
+  comm::CompressStats stats;   // added to by every compressed run
 
   // `elements`: the whole vector, or (all_gather, reduce_scatter, all_to_all) each rank's block.
   Case(Op o, Group& group, DataType t, ReduceOp r, bool in_place, size_t elements)
@@ -178,6 +186,15 @@ struct Case {
 
   void run() {
     const int r = g->rank(), p = g->size();
+    if (codec) {
+      auto* in = reinterpret_cast<const float*>(send.data());
+      if (op == Op::allreduce) {
+        g->all_reduce_compressed(in, static_cast<float*>(out()), count, *codec, redop, nullptr, &stats);
+      } else {
+        g->reduce_scatter_compressed(in, reinterpret_cast<float*>(recv.data()), block, *codec, redop, nullptr, &stats);
+      }
+      return;
+    }
     switch (op) {
       case Op::allreduce: g->all_reduce(send.data(), out(), count, dtype, redop); break;
       case Op::allgather: g->all_gather(send.data(), recv.data(), block, dtype); break;
@@ -197,8 +214,10 @@ struct Case {
     }
   }
 
-  // Elements of this rank's result that differ from the exact expectation.
+  // Elements of this rank's result that differ from the exact expectation (compressed: that
+  // lie outside the derived bound).
   uint64_t wrong() const {
+    if (codec) return wrong_compressed();
     const int r = g->rank(), p = g->size();
     uint64_t bad = 0;
     auto expect = [&](const void* buf, size_t i, double want) { bad += load_value(buf, i, dtype) != want; };
@@ -225,6 +244,66 @@ struct Case {
           expect(res, i, tag_value(from, static_cast<size_t>(r) * block + i % block));
         }
         break;
+    }
+    return bad;
+  }
+
+  // The bound derived in comm/compress_collectives.cpp, element i of block b (owned by rank b):
+  //   sum_{q != b} e(x_q) + f32 rounding of the p-term sum (avg: both / p, + the division's)
+  //   + all_reduce: e(result), its chunk's largest value bounded through the first terms,
+  // e() being the codec's max_error over the element's chunk; chunks start at each block.
+  uint64_t wrong_compressed() const {
+    const int r = g->rank(), p = g->size();
+    const bool all_reduce = op == Op::allreduce;
+    const bool avg = redop == ReduceOp::avg;
+    const auto* res = reinterpret_cast<const float*>(all_reduce && inplace ? send.data() : recv.data());
+    // Blocks: all_reduce, the even split of the vector (larger first); reduce_scatter, `block` each.
+    std::vector<size_t> begins(static_cast<size_t>(p) + 1, 0);
+    const auto np = static_cast<size_t>(p);
+    for (size_t q = 0; q < np; ++q) begins[q + 1] = begins[q] + (all_reduce ? count / np + (q < count % np) : block);
+    const double u = 0x1p-24;
+    uint64_t bad = 0;
+    std::vector<double> chunk_max(static_cast<size_t>(p)), bound(comm::kQuantChunk), magnitude(comm::kQuantChunk);
+    for (int b = 0; b < p; ++b) {
+      if (!all_reduce && b != r) continue;
+      const size_t begin = begins[static_cast<size_t>(b)], end = begins[static_cast<size_t>(b) + 1];
+      const float* out = all_reduce ? res + begin : res;
+      for (size_t c0 = begin; c0 < end; c0 += comm::kQuantChunk) {
+        const size_t n = std::min(comm::kQuantChunk, end - c0);
+        std::fill(chunk_max.begin(), chunk_max.end(), 0.0);
+        for (int q = 0; q < p; ++q) {
+          for (size_t j = 0; j < n; ++j) {
+            chunk_max[static_cast<size_t>(q)] =
+                std::max(chunk_max[static_cast<size_t>(q)], std::fabs(input_value(redop, q, p, c0 + j)));
+          }
+        }
+        double largest = 0;
+        for (size_t j = 0; j < n; ++j) {
+          double e1 = 0, abs_sum = 0, sum = 0;
+          for (int q = 0; q < p; ++q) {
+            const double v = input_value(redop, q, p, c0 + j);
+            const double e = q == b ? 0.0 : comm::max_error(*codec, std::fabs(v), chunk_max[static_cast<size_t>(q)]);
+            e1 += e;
+            abs_sum += std::fabs(v) + e;
+            sum += v;
+          }
+          double err = e1 + p * u * abs_sum;
+          double mag = std::fabs(sum) + err;
+          if (avg) {
+            err /= p;
+            mag /= p;
+            err += u * mag;
+          }
+          bound[j] = err;
+          magnitude[j] = mag;
+          largest = std::max(largest, mag);
+        }
+        for (size_t j = 0; j < n; ++j) {
+          const double b2 = all_reduce ? comm::max_error(*codec, magnitude[j], largest) : 0.0;
+          const double got = out[c0 - begin + j];
+          bad += !(std::fabs(got - expected_value(redop, p, c0 + j)) <= bound[j] + b2);  // NaN is wrong
+        }
+      }
     }
     return bad;
   }
@@ -390,11 +469,11 @@ struct Machine {
   bool model = false;
 };
 
-// One sweep over `sizes` of one collective with one algorithm, dtype, op and placement.
-// Returns the elements that were wrong (summed over ranks).
+// One sweep over `sizes` of one collective with one algorithm (or codec: the compressed
+// collective), dtype, op and placement. Returns the elements that were wrong (summed over ranks).
 uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string& op_name, Algorithm algo,
-               DataType dtype, ReduceOp redop, bool inplace, const std::vector<size_t>& sizes, const Machine& m,
-               nlohmann::json& rows) {
+               std::optional<Codec> codec, DataType dtype, ReduceOp redop, bool inplace,
+               const std::vector<size_t>& sizes, const Machine& m, nlohmann::json& rows) {
   comm::GroupOptions sub;
   sub.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
   sub.transport = o.transport;
@@ -403,18 +482,24 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string
   const int rank = g.rank(), p = g.size();
   const bool reducing = op == Op::allreduce || op == Op::reducescatter;
   if (rank == 0) {
-    std::printf("# %s %s%s%s, %s, algo %s\n", op_name.c_str(), comm::name_of(dtype), reducing ? " " : "",
-                reducing ? comm::name_of(redop) : "", inplace ? "in place" : "out of place", comm::name_of(algo));
+    const std::string how = codec ? fmt::format("codec {} (two-phase)", comm::name_of(*codec))
+                                  : fmt::format("algo {}", comm::name_of(algo));
+    std::printf("# %s %s%s%s, %s, %s\n", op_name.c_str(), comm::name_of(dtype), reducing ? " " : "",
+                reducing ? comm::name_of(redop) : "", inplace ? "in place" : "out of place", how.c_str());
     std::fflush(stdout);
   }
   uint64_t total_wrong = 0;
   for (size_t elements : sizes) {
     Case c(op, g, dtype, redop, inplace, elements);
+    c.codec = codec;
     // Correctness first, on fresh inputs (the timed runs may overflow the in-place data).
     c.fill();
     g.barrier();
     c.run();
     uint64_t wrong = c.wrong();
+    // Bytes one call sent (compressed), the most of any rank.
+    int64_t sent[2] = {static_cast<int64_t>(c.stats.wire_bytes_sent), static_cast<int64_t>(c.stats.raw_bytes)};
+    if (codec) g.all_reduce(sent, sent, 2, DataType::i64, ReduceOp::max);
     if (o.check) {
       for (int k = 0; k < 2; ++k) {
         c.fill();
@@ -447,6 +532,34 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string
     double model = 0;
     if (m.model && op == Op::allreduce && p >= 2) {
       model = model_all_reduce(ran, data_bytes, p, m.pp, m.gamma, 1e-9 / m.copy_gbs, m.stage_bytes, m.cores);
+    }
+    if (codec) {
+      // busbw on the f32 bytes is the effective bandwidth; on the bytes sent, the wire's.
+      const double ratio = sent[0] > 0 ? static_cast<double>(sent[1]) / static_cast<double>(sent[0]) : 1.0;
+      const double wirebw = busbw / ratio;
+      std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %9.3f %12lld %6.2f %6llu\n",
+                  static_cast<size_t>(data_bytes), c.count, comm::name_of(dtype), comm::name_of(redop),
+                  comm::name_of(*codec), p50 * 1e6, p99 * 1e6, algbw, busbw, wirebw, static_cast<long long>(sent[0]),
+                  ratio, static_cast<unsigned long long>(wrong));
+      std::fflush(stdout);
+      rows.push_back({{"op", op_name},
+                      {"bytes", static_cast<size_t>(data_bytes)},
+                      {"count", c.count},
+                      {"type", comm::name_of(dtype)},
+                      {"redop", comm::name_of(redop)},
+                      {"inplace", inplace},
+                      {"algo", "two_phase"},
+                      {"codec", comm::name_of(*codec)},
+                      {"p50_us", p50 * 1e6},
+                      {"p99_us", p99 * 1e6},
+                      {"algbw_GBs", algbw},
+                      {"busbw_GBs", busbw},
+                      {"effbw_GBs", busbw},
+                      {"wirebw_GBs", wirebw},
+                      {"wire_bytes", sent[0]},
+                      {"raw_bytes", sent[1]},
+                      {"wrong", wrong}});
+      continue;
     }
     std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
                 c.count, comm::name_of(dtype), reducing ? comm::name_of(redop) : "-", comm::name_of(ran), p50 * 1e6,
@@ -489,6 +602,26 @@ int worker(const CollBenchOptions& o) {
   for (const auto& a : split_list(o.algo)) algos.push_back(comm::parse_algorithm(a));
   DT_CHECK(!ops.empty() && !dtypes.empty() && !redops.empty() && !algos.empty(), "bench",
            "--op, --dtype, --redop and --algo need at least one value each");
+  // --compress: the compressed collectives (f32, sum or avg, all_reduce and reduce_scatter).
+  std::vector<std::optional<Codec>> codecs = {std::nullopt};
+  if (!o.compress.empty()) {
+    codecs.clear();
+    for (const auto& s : split_list(o.compress)) codecs.emplace_back(comm::parse_codec(s));
+    DT_CHECK(!codecs.empty(), "bench", "--compress needs at least one codec");
+    for (Op op : ops) {
+      DT_CHECK(op == Op::allreduce || op == Op::reducescatter, "bench",
+               "--compress runs allreduce and reducescatter only, not --op {}", o.op);
+    }
+    for (DataType t : dtypes) {
+      DT_CHECK(t == DataType::f32, "bench", "--compress encodes f32 buffers, not --dtype {}", comm::name_of(t));
+    }
+    for (ReduceOp r : redops) {
+      DT_CHECK(r == ReduceOp::sum || r == ReduceOp::avg, "bench", "--compress reduces with sum or avg, not --redop {}",
+               comm::name_of(r));
+    }
+    DT_CHECK(algos.size() == 1 && algos[0] == Algorithm::automatic, "bench",
+             "--algo {} does not apply to --compress (the compressed collectives have one algorithm)", o.algo);
+  }
   std::vector<size_t> counts;
   for (const auto& c : split_list(o.counts)) counts.push_back(parse_bytes(c));
   std::vector<bool> placements = {o.inplace};
@@ -520,6 +653,7 @@ int worker(const CollBenchOptions& o) {
   doc["transport"] = world.transport_kind();
   doc["dtype"] = o.dtype;
   doc["redop"] = o.redop;
+  if (!o.compress.empty()) doc["compress"] = o.compress;
   doc["iters"] = o.iters;
   doc["warmup"] = o.warmup;
   doc["inplace"] = o.inplace;
@@ -538,8 +672,16 @@ int worker(const CollBenchOptions& o) {
       doc["beta_ns_per_byte"] = m.pp.beta * 1e9;
       doc["gamma_ns_per_byte"] = m.gamma * 1e9;
     }
-    std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %7s %6s%s\n", "size", "count", "type", "redop", "algo",
-                "p50_us", "p99_us", "algbw", "busbw", "bus/cpy", "wrong", m.model ? "   model_us  meas/model" : "");
+    if (o.compress.empty()) {
+      std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %7s %6s%s\n", "size", "count", "type", "redop", "algo",
+                  "p50_us", "p99_us", "algbw", "busbw", "bus/cpy", "wrong", m.model ? "   model_us  meas/model" : "");
+    } else {
+      std::printf(
+          "# effbw: busbw of the f32 bytes; wirebw: of the bytes sent; wire_B: bytes one call sent (the most "
+          "of any rank); ratio: f32 / wire bytes; wrong: outside the derived bound\n");
+      std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %9s %12s %6s %6s\n", "size", "count", "type", "redop",
+                  "codec", "p50_us", "p99_us", "algbw", "effbw", "wirebw", "wire_B", "ratio", "wrong");
+    }
     std::fflush(stdout);
   }
 
@@ -565,7 +707,10 @@ int worker(const CollBenchOptions& o) {
       for (ReduceOp redop : reducing ? redops : std::vector<ReduceOp>{ReduceOp::sum}) {
         for (bool inplace : op == Op::allreduce ? placements : std::vector<bool>{false}) {
           for (Algorithm algo : algos) {
-            total_wrong += sweep(o, world, op, op_names[oi], algo, dtype, redop, inplace, sizes, m, doc["rows"]);
+            for (const auto& codec : codecs) {
+              total_wrong +=
+                  sweep(o, world, op, op_names[oi], algo, codec, dtype, redop, inplace, sizes, m, doc["rows"]);
+            }
           }
         }
       }

@@ -31,6 +31,7 @@ struct CollBenchOptions {
   std::string redop = "sum";
   std::string algo = "auto";  // comma-separated list: one sweep per algorithm
   std::string transport = "auto";
+  std::string compress;  // codecs (comma-separated): run the compressed collectives instead
   int iters = 20;
   int warmup = 5;
   bool check = false;

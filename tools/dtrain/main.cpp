@@ -79,6 +79,10 @@ int main(int argc, char** argv) {
   colls->add_option("--algo", coll.algo, "auto|direct|ring|hd|rd, or a comma-separated list (one sweep each)")
       ->capture_default_str();
   colls->add_option("--transport", coll.transport, "auto|shm|tcp")->capture_default_str();
+  colls->add_option("--compress", coll.compress,
+                    "none|bf16|fp16|int8|int4, or a comma-separated list: the compressed allreduce / reducescatter "
+                    "(f32, sum or avg) with effbw (f32 bytes) next to wirebw (bytes sent); --check then accepts "
+                    "results within the derived error bound");
   colls->add_option("--iters,-i", coll.iters, "timed iterations per size")->capture_default_str();
   colls->add_option("--warmup,-w", coll.warmup, "untimed iterations per size")->capture_default_str();
   colls->add_option("--timeout", coll.timeout_s, "seconds before a collective gives up")->capture_default_str();
