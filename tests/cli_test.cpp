@@ -417,6 +417,34 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   EXPECT_TRUE(fs::exists(path("one/step-00000012/manifest.json")));
 }
 
+// --compress: the gradients travel compressed (counted on the wire), the run still learns, and
+// a codec that does not exist or PowerSGD with ZeRO is refused before anything starts.
+TEST_F(Cli, CompressedGradientsSendFewerBytesAndStillTrain) {
+  const std::string mlp = "train --model mlp --hidden 128 --batch-size 64 --steps 30 --dp 2 --progress=false";
+  struct Case {
+    std::string compress;
+    double min_ratio;
+  };
+  for (const Case& c : std::vector<Case>{{"none", 1.0}, {"int8", 3.5}, {"int4", 7.0}, {"powersgd:4", 10.0}}) {
+    const std::string metrics = path(c.compress.substr(0, 4) + ".jsonl");
+    ProcessResult r = dtrain(mlp + " --compress " + c.compress + " --metrics " + metrics);
+    ASSERT_EQ(r.code, 0) << c.compress << ": " << r.output;
+    const nlohmann::json f = final_record(c.compress.substr(0, 4) + ".jsonl");
+    EXPECT_EQ(f["compress"], c.compress);
+    EXPECT_GE(f["compression_ratio"].get<double>(), c.min_ratio) << c.compress;
+    EXPECT_LE(f["compression_ratio"].get<double>(), c.min_ratio * 1.5 + 100.0) << c.compress;
+    EXPECT_GT(f["test_accuracy"].get<double>(), 0.5) << c.compress;
+  }
+  ProcessResult bad = dtrain(mlp + " --compress int3");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("--compress 'int3': expected none, bf16, fp16, int8, int4 or powersgd:RANK"),
+            std::string::npos)
+      << bad.output;
+  ProcessResult zero = dtrain(mlp + " --zero 1 --compress powersgd:2");
+  EXPECT_NE(zero.code, 0);
+  EXPECT_NE(zero.output.find("needs --zero 0"), std::string::npos) << zero.output;
+}
+
 // Dropout masks depend only on the step (and the replica), not on what ran before: a GPT with
 // dropout killed mid-run resumes to exactly the parameters of the run that never stopped.
 TEST_F(Cli, AResumedRunWithDropoutDrawsTheSameMasks) {

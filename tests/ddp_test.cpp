@@ -69,10 +69,12 @@ struct RunOptions {
   size_t bucket_bytes = 1024;  // several buckets for this small model
   std::vector<int64_t> hidden = {32, 16};
   int steps = 6;
+  std::string compress = "none";
   // Filled in: final parameters of every rank, and per-step parameters of every rank.
   std::vector<std::vector<float>> final_params;
   std::vector<std::vector<std::vector<float>>> per_step;  // [step][rank]
   std::vector<int64_t> optimizer_bytes;
+  std::vector<CommVolume> volume;  // per rank, over all steps
 };
 
 std::unique_ptr<optim::Optimizer> make_opt(bool adam, std::vector<Tensor> params) {
@@ -86,6 +88,7 @@ void train(RunOptions& o) {
   o.final_params.assign(static_cast<size_t>(o.world), {});
   o.per_step.assign(static_cast<size_t>(o.steps), std::vector<std::vector<float>>(static_cast<size_t>(o.world)));
   o.optimizer_bytes.assign(static_cast<size_t>(o.world), 0);
+  o.volume.assign(static_cast<size_t>(o.world), CommVolume{});
   const int64_t micro = kBatch / (o.world * o.accumulate);
   if (o.world == 1 && o.zero == 0) {
     auto model = make_model(3, o.hidden);
@@ -110,6 +113,7 @@ void train(RunOptions& o) {
     DdpOptions d;
     d.bucket_bytes = o.bucket_bytes;
     d.zero = o.zero;
+    d.compress = o.compress;
     DataParallel dp(model->named_parameters(), g, d);
     dp.broadcast_parameters();
     auto opt = make_opt(o.adam, dp.optimizer_params());
@@ -129,6 +133,7 @@ void train(RunOptions& o) {
     }
     o.final_params[static_cast<size_t>(r)] = flat(*model);
     o.optimizer_bytes[static_cast<size_t>(r)] = dp.memory(*opt).optimizer_bytes;
+    o.volume[static_cast<size_t>(r)] = dp.take_comm_volume();
   });
 }
 
@@ -299,6 +304,118 @@ TEST(DataParallel, MisuseGetsClearErrors) {
   }
   ASSERT_EQ(messages.size(), 2u);
   for (const auto& m : messages) EXPECT_NE(m.find("rank 1's model differs from rank 0's"), std::string::npos) << m;
+}
+
+// Compressed gradients: every codec keeps the ranks bitwise identical, stays near the f32
+// run, and sends the bytes it should (counted by the collective, not estimated).
+TEST(Compression, EveryCodecKeepsRanksIdenticalNearTheF32RunWithFewerBytes) {
+  struct Case {
+    std::string compress;
+    int zero;
+    double tol;        // max relative difference to the f32 run after the steps
+    double min_ratio;  // f32 bytes / wire bytes
+  };
+  const std::vector<Case> cases = {{"bf16", 0, 2e-2, 1.9},  {"fp16", 0, 5e-3, 1.9},  {"int8", 0, 5e-2, 3.0},
+                                   {"int8", 1, 5e-2, 3.0},  {"int4", 0, 0.3, 5.0},   {"int4", 2, 0.3, 5.0},
+                                   {"powersgd:2", 0, 1.0, 4.0}};
+  for (int world : {2, 3}) {
+    RunOptions ref;
+    ref.world = world;
+    ref.adam = false;
+    ref.hidden = {64, 32};
+    train(ref);
+    for (const Case& c : cases) {
+      RunOptions o = ref;
+      o.compress = c.compress;
+      o.zero = c.zero;
+      train(o);
+      const std::string what = c.compress + " zero " + std::to_string(c.zero) + " world " + std::to_string(world);
+      for (int s = 0; s < o.steps; ++s) {
+        for (int r = 1; r < world; ++r) {
+          ASSERT_EQ(o.per_step[static_cast<size_t>(s)][0], o.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)])
+              << what << ": rank " << r << " differs at step " << s + 1;
+        }
+      }
+      const double rel = max_rel(ref.final_params[0], o.final_params[0]);
+      EXPECT_LT(rel, c.tol) << what;
+      EXPECT_GT(rel, 0.0) << what << ": compression changed nothing?";
+      const CommVolume v = o.volume[0];
+      ASSERT_GT(v.wire_bytes, 0u) << what;
+      EXPECT_GE(static_cast<double>(v.raw_bytes) / static_cast<double>(v.wire_bytes), c.min_ratio) << what;
+    }
+  }
+}
+
+// Error feedback: what one step's encoding loses is sent with the next one, so the gradients
+// delivered over many steps add up to the true ones. A constant gradient with one large entry
+// makes int4's step (large / 7) far bigger than the small entries: without feedback they would
+// arrive as zeros at every step.
+TEST(Compression, ErrorFeedbackDeliversSmallGradientsOverSteps) {
+  constexpr int kSteps = 400;
+  constexpr int64_t kN = 600;
+  run_ranks(2, [](comm::Group& g) {
+    Tensor a = Tensor::zeros({kN}).set_requires_grad(true);
+    std::vector<float> c(kN, 0.05f);
+    c[7] = 10.0f;
+    const Tensor coef = Tensor::from_vector({kN}, c);
+    DdpOptions o;
+    o.compress = "int4";
+    DataParallel dp({{"a", a}}, g, o);
+    std::vector<double> delivered(kN, 0.0);
+    for (int s = 0; s < kSteps; ++s) {
+      ops::sum(a * coef).backward();
+      dp.synchronize();
+      const std::vector<float> grad = a.grad().to_vector();
+      for (int64_t i = 0; i < kN; ++i) delivered[static_cast<size_t>(i)] += grad[static_cast<size_t>(i)];
+      dp.zero_grad();
+    }
+    // One step's error: half an int4 step of the input (10 / 14) and of the result, per contributor.
+    const double bound = 4 * 10.0 / 14;
+    for (int64_t i = 0; i < kN; ++i) {
+      ASSERT_NEAR(delivered[static_cast<size_t>(i)], kSteps * c[static_cast<size_t>(i)], bound) << "element " << i;
+    }
+  });
+}
+
+// PowerSGD rank 1 on a constant rank-2 gradient: each step delivers a rank-1 approximation, and
+// error feedback sends the rest later, so the sum over steps approaches the sum of the true ones.
+TEST(Compression, PowerSgdErrorFeedbackRecoversWhatRankOneCannotCarry) {
+  constexpr int kSteps = 200;
+  constexpr int64_t kRows = 12, kCols = 10;
+  run_ranks(2, [](comm::Group& g) {
+    Tensor w = Tensor::zeros({kRows, kCols}).set_requires_grad(true);
+    std::vector<float> c(kRows * kCols);
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t j = 0; j < kCols; ++j) {
+        c[static_cast<size_t>(i * kCols + j)] =
+            static_cast<float>(std::sin(0.3 * (i + 1)) * std::cos(0.2 * j) + 0.5 * std::cos(0.7 * i) * std::sin(0.9 * (j + 1)));
+      }
+    }
+    const Tensor coef = Tensor::from_vector({kRows, kCols}, c);
+    DdpOptions o;
+    o.compress = "powersgd:1";
+    DataParallel dp({{"w", w}}, g, o);
+    std::vector<double> delivered(c.size(), 0.0);
+    double first_err = 0.0, norm = 0.0;
+    for (int s = 0; s < kSteps; ++s) {
+      ops::sum(w * coef).backward();
+      dp.synchronize();
+      const std::vector<float> grad = w.grad().to_vector();
+      for (size_t i = 0; i < c.size(); ++i) {
+        delivered[i] += grad[i];
+        if (s == 0) {
+          first_err += (grad[i] - c[i]) * (grad[i] - c[i]);
+          norm += static_cast<double>(c[i]) * c[i];
+        }
+      }
+      dp.zero_grad();
+    }
+    double err = 0.0;
+    for (size_t i = 0; i < c.size(); ++i) err += std::pow(delivered[i] - kSteps * c[i], 2);
+    // One step misses a whole component; the sum over 200 steps misses at most a few steps' worth.
+    EXPECT_GT(std::sqrt(first_err / norm), 0.1);
+    EXPECT_LT(std::sqrt(err / norm) / kSteps, 0.02);
+  });
 }
 
 }  // namespace

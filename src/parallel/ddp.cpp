@@ -9,7 +9,9 @@
 #include <fmt/format.h>
 
 #include "dtrain/core/error.h"
+#include "dtrain/comm/compress.h"
 #include "dtrain/tensor/autograd.h"
+#include "powersgd.h"
 
 namespace dtrain::parallel {
 
@@ -60,6 +62,8 @@ struct DataParallel::Impl {
     Tensor piece;                     // ZeRO: view of this rank's piece of `values`
     comm::Work work;
     comm::Clock::time_point started;
+    std::shared_ptr<Storage> residual;  // compressed codecs: what the last encoding lost
+    comm::CompressStats stats;          // filled by the compressed collective
   };
 
   std::vector<nn::NamedTensor> params;
@@ -73,6 +77,9 @@ struct DataParallel::Impl {
   bool sync = true;
   int64_t step = 0;
   std::vector<BucketEvent> events;
+  comm::Codec codec = comm::Codec::none;
+  std::unique_ptr<PowerSgd> powersgd;
+  CommVolume volume;
 
   size_t piece_of(const Bucket& b) const { return b.padded / static_cast<size_t>(group.size()); }
 
@@ -97,7 +104,7 @@ struct DataParallel::Impl {
     std::memcpy(grad_data(b) + offset, g.data(), static_cast<size_t>(g.numel()) * sizeof(float));
     ready[index] = true;
     ++ready_count;
-    if (--b.pending == 0 && options.overlap) launch_in_order();
+    if (--b.pending == 0 && options.overlap && !powersgd) launch_in_order();
   }
 
   // Starts every bucket whose gradients are final, in bucket order (the same on every rank).
@@ -110,6 +117,23 @@ struct DataParallel::Impl {
     float* g = grad_data(b);
     b.launched = true;
     b.started = comm::Clock::now();
+    if (codec != comm::Codec::none) {
+      // Error feedback: send this step's gradients plus what the last encoding lost.
+      if (!b.residual) b.residual = zeroed_storage(b.padded);
+      float* r = static_cast<float*>(b.residual->data);
+      for (size_t i = 0; i < b.padded; ++i) g[i] += r[i];
+      if (options.zero == 0) {
+        b.work = group.all_reduce_compressed_async(g, g, b.count, codec, ReduceOp::avg, r, &b.stats);
+      } else {
+        b.work = group.reduce_scatter_compressed_async(g, static_cast<float*>(b.piece_grad->data), piece_of(b), codec,
+                                                       ReduceOp::avg, r, &b.stats);
+      }
+      return;
+    }
+    const uint64_t world = static_cast<uint64_t>(group.size());
+    const uint64_t bytes = (options.zero == 0 ? 2 * b.count : b.padded) * sizeof(float) * (world - 1) / world;
+    volume.wire_bytes += bytes;
+    volume.raw_bytes += bytes;
     if (options.zero == 0) {
       b.work = group.all_reduce_async(g, g, b.count, DataType::f32, ReduceOp::avg);
     } else {
@@ -117,6 +141,25 @@ struct DataParallel::Impl {
     }
   }
 };
+
+Compression parse_compression(const std::string& text) {
+  Compression c;
+  if (!text.starts_with("powersgd")) {
+    try {
+      c.codec = comm::parse_codec(text);
+    } catch (const Error&) {
+      DT_THROW("ddp", "--compress '{}': expected none, bf16, fp16, int8, int4 or powersgd:RANK", text);
+    }
+    return c;
+  }
+  const std::string rank = text.size() > 9 ? text.substr(9) : "";
+  char* end = nullptr;
+  const long r = std::strtol(rank.c_str(), &end, 10);
+  DT_CHECK(text[8 % text.size()] == ':' && !rank.empty() && *end == '\0' && r >= 1 && r <= 1024, "ddp",
+           "--compress '{}': expected powersgd:RANK with RANK in [1, 1024], e.g. powersgd:4", text);
+  c.powersgd_rank = static_cast<int>(r);
+  return c;
+}
 
 DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group group, DdpOptions options)
     : impl_(std::make_shared<Impl>()) {
@@ -173,6 +216,18 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
     }
   }
   d.ready.assign(d.params.size(), false);
+  const Compression compression = parse_compression(options.compress);
+  d.codec = compression.codec;
+  if (compression.powersgd_rank > 0) {
+    DT_CHECK(options.zero == 0, "ddp", "--compress {} needs --zero 0 (it exchanges whole low-rank gradients)",
+             options.compress);
+    std::vector<Tensor> grads;
+    for (size_t k = 0; k < d.params.size(); ++k) {
+      const auto [bi, offset] = d.where[k];
+      grads.push_back(view_of(d.buckets[bi].grad, offset, d.params[k].second.shape()));
+    }
+    d.powersgd = std::make_unique<PowerSgd>(compression.powersgd_rank, grads, options.seed);
+  }
   // Hooks hold the state weakly: a model that outlives its DataParallel stops syncing.
   std::weak_ptr<Impl> weak = impl_;
   for (size_t k = 0; k < d.params.size(); ++k) {
@@ -249,16 +304,32 @@ void DataParallel::synchronize() {
     }
     b.pending = 0;
   }
-  d.launch_in_order();
+  if (!d.powersgd) d.launch_in_order();
   // Did every rank run its backward? (A rank without one would silently average in zeros.)
   int64_t mine = static_cast<int64_t>(d.ready_count);
   std::vector<int64_t> counts(static_cast<size_t>(world));
   d.group.all_gather(&mine, counts.data(), 1, DataType::i64);
-  std::vector<BucketEvent> done;
-  for (size_t bi = 0; bi < d.buckets.size(); ++bi) {
+  if (d.powersgd) {
+    const auto t0 = comm::Clock::now();
+    std::vector<Tensor> grads;
+    for (size_t k = 0; k < d.params.size(); ++k) {
+      const auto [bi, offset] = d.where[k];
+      grads.push_back(view_of(d.buckets[bi].grad, offset, d.params[k].second.shape()));
+    }
+    d.powersgd->reduce(d.group, grads, &d.volume.wire_bytes, &d.volume.raw_bytes);
+    if (d.options.record_events) {
+      size_t bytes = 0;
+      for (const auto& b : d.buckets) bytes += b.count * sizeof(float);
+      d.events.push_back({0, bytes, t0, comm::Clock::now()});
+    }
+  }
+  for (size_t bi = 0; bi < d.buckets.size() && !d.powersgd; ++bi) {
     Impl::Bucket& b = d.buckets[bi];
     b.work.wait();
     if (d.options.record_events) d.events.push_back({static_cast<int>(bi), b.count * sizeof(float), b.started, b.work.finish_time()});
+    d.volume.wire_bytes += b.stats.wire_bytes_sent;
+    d.volume.raw_bytes += b.stats.raw_bytes;
+    b.stats = comm::CompressStats{};
   }
   const bool none = std::any_of(counts.begin(), counts.end(), [](int64_t c) { return c == 0; });
   const bool some = std::any_of(counts.begin(), counts.end(), [](int64_t c) { return c > 0; });
@@ -414,6 +485,12 @@ MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
   }
   for (const auto& [name, t] : optimizer.state()) m.optimizer_bytes += t.numel() * static_cast<int64_t>(dtype_size(t.dtype()));
   return m;
+}
+
+CommVolume DataParallel::take_comm_volume() {
+  const CommVolume v = impl_->volume;
+  impl_->volume = CommVolume{};
+  return v;
 }
 
 std::vector<BucketEvent> DataParallel::take_bucket_events() {

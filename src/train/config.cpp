@@ -1,5 +1,7 @@
 #include "dtrain/train/config.h"
 
+#include "dtrain/parallel/ddp.h"
+
 #include <fstream>
 #include <functional>
 #include <variant>
@@ -52,6 +54,9 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"accumulate", &c.accumulate, "micro-steps per optimizer step; gradients sync only on the last"},
       {"zero", &c.zero, "ZeRO stage: 0 off, 1 shards optimizer state, 2 also gradients"},
       {"bucket-mb", &c.bucket_mb, "data parallel: gradient bucket size in MiB"},
+      {"compress", &c.compress,
+       "data parallel: gradient compression none | bf16 | fp16 | int8 | int4 (quantized inside the collective, "
+       "error feedback) | powersgd:RANK (low rank, error feedback)"},
       {"overlap", &c.overlap, "data parallel: start each bucket's all_reduce during backward (false: after)"},
       {"pp", &c.pp, "pipeline stages: the model's blocks cut into this many stages, one per process"},
       {"tp", &c.tp, "tensor-parallel ranks per stage (GPT: attention heads and MLP split, Megatron style)"},
@@ -222,6 +227,8 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.dp >= 1 && c.dp <= 256, "config", "--dp {} out of range [1, 256]", c.dp);
   DT_CHECK(c.accumulate >= 1, "config", "--accumulate must be at least 1, got {}", c.accumulate);
   DT_CHECK(c.zero >= 0 && c.zero <= 2, "config", "--zero {}: expected 0, 1 or 2", c.zero);
+  DT_CHECK(parallel::parse_compression(c.compress).powersgd_rank == 0 || c.zero == 0, "config",
+           "--compress {} exchanges whole low-rank gradients: it needs --zero 0", c.compress);
   DT_CHECK(c.bucket_mb > 0.0, "config", "--bucket-mb must be positive, got {}", c.bucket_mb);
   DT_CHECK(c.pp >= 1 && c.tp >= 1 && world_size(c) <= 256, "config",
            "--dp {} x --pp {} x --tp {} = {} processes: each must be at least 1 and the product at most 256", c.dp, c.pp,

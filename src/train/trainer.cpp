@@ -556,6 +556,8 @@ TrainResult run_training(const TrainConfig& requested) {
     o.zero = cfg.zero;
     o.overlap = cfg.overlap;
     o.record_events = true;
+    o.compress = cfg.compress;
+    o.seed = cfg.seed;
     ddp = std::make_unique<parallel::DataParallel>(model->named_parameters(), mesh->dp(), o);
     ddp->broadcast_parameters();
   }
@@ -636,6 +638,8 @@ TrainResult run_training(const TrainConfig& requested) {
 
   TrainResult result;
   double train_time = 0.0, compute_time = 0.0, comm_time = 0.0, wait_time = 0.0;
+  uint64_t wire_bytes = 0, raw_bytes = 0;  // gradient bytes this rank sent, and what f32 would have sent
+  int64_t synced_steps = 0;
   double interval_loss = 0.0;
   int64_t interval_steps = 0;
   std::vector<int64_t> epoch_indices;
@@ -707,6 +711,10 @@ TrainResult run_training(const TrainConfig& requested) {
         trace.span("bucket", ev.bucket, 1, ev.start, ev.end, step + 1, static_cast<int64_t>(ev.bytes));
         comm_time += seconds_since(ev.start, ev.end);
       }
+      const parallel::CommVolume v = ddp->take_comm_volume();
+      wire_bytes += v.wire_bytes;
+      raw_bytes += v.raw_bytes;
+      ++synced_steps;
     }
     const auto to = Clock::now();
     wait_time += seconds_since(ts, to);
@@ -830,6 +838,11 @@ TrainResult run_training(const TrainConfig& requested) {
     final_record["zero"] = cfg.zero;
     final_record["buckets"] = ddp->num_buckets();
     final_record["comm_s"] = comm_time;
+    // Gradient bytes per step that this rank sent, what f32 would have sent, and their ratio.
+    final_record["compress"] = cfg.compress;
+    final_record["wire_bytes_per_step"] = synced_steps > 0 ? static_cast<double>(wire_bytes) / synced_steps : 0.0;
+    final_record["f32_bytes_per_step"] = synced_steps > 0 ? static_cast<double>(raw_bytes) / synced_steps : 0.0;
+    final_record["compression_ratio"] = wire_bytes > 0 ? static_cast<double>(raw_bytes) / wire_bytes : 1.0;
     final_record["sync_wait_s"] = wait_time;
     // overlap = (T_compute + T_comm - T_step) / T_comm, with T_step the compute plus the wait
     // for the buckets (the optimizer is excluded from both sides).

@@ -26,6 +26,16 @@
 // parameters) so its state is 1/world() of the unsharded one; gather_parameters() all-gathers
 // the updated pieces. zero=1 keeps full-size gradient buffers, zero=2 keeps only the pieces.
 // The parameters themselves are moved into the bucket buffers (their tensors stay valid).
+//
+// Compression (options.compress) cuts the bytes on the wire:
+// - "bf16", "fp16", "int8", "int4": each bucket's all_reduce (ZeRO: reduce_scatter) runs the
+//   comm layer's compressed collective (comm/compress.h: blocks encoded once per contributor,
+//   reduced in f32, the result encoded once). Error feedback: what a step's encoding lost (its
+//   residual, kept per bucket) is added to the next step's gradients before they are sent.
+// - "powersgd:R": matrix gradients travel as rank-R factors P, Q (see powersgd.h), with error
+//   feedback and a warm-started Q; vectors uncompressed. Runs in synchronize() after backward
+//   (no overlap); ZeRO 0 only.
+// take_comm_volume() tells how many bytes this rank sent and what f32 would have sent.
 #pragma once
 
 #include <cstddef>
@@ -34,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/comm/compress.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/optim.h"
@@ -45,6 +56,23 @@ struct DdpOptions {
   int zero = 0;         // 0: replicate everything; 1: shard optimizer state; 2: also gradients
   bool overlap = true;  // false: start every bucket in synchronize() (for measuring overlap)
   bool record_events = false;  // keep BucketEvents for take_bucket_events() (traces)
+  std::string compress = "none";  // none | bf16 | fp16 | int8 | int4 | powersgd:RANK (see above)
+  uint64_t seed = 0;              // powersgd: the initial Q (the same on every rank)
+};
+
+/// A parsed DdpOptions::compress: a codec, or PowerSGD of a rank.
+struct Compression {
+  comm::Codec codec = comm::Codec::none;
+  int powersgd_rank = 0;  // > 0: PowerSGD
+};
+/// Parses none | bf16 | fp16 | int8 | int4 | powersgd:RANK (RANK in [1, 1024]); throws
+/// dtrain::Error naming the text.
+Compression parse_compression(const std::string& text);
+
+/// Bytes this rank sent for gradient synchronisation, and what f32 would have sent.
+struct CommVolume {
+  uint64_t wire_bytes = 0;
+  uint64_t raw_bytes = 0;
 };
 
 /// Bytes this rank holds for the model's training state.
@@ -113,6 +141,8 @@ class DataParallel {
   MemoryReport memory(const optim::Optimizer& optimizer) const;
   /// Bucket communications since the last call (completed ones only).
   std::vector<BucketEvent> take_bucket_events();
+  /// Gradient bytes sent since the last call (see CommVolume).
+  CommVolume take_comm_volume();
 
   struct Impl;
 
