@@ -564,6 +564,35 @@ TEST_F(Cli, AnElasticJobShrinksWhenANodeLeavesAndGrowsWhenItReturns) {
   EXPECT_EQ(d.code, 0) << d.output;
 }
 
+// Two hosts (network namespaces with their own addresses, scripts/netns-cluster), one worker
+// each over TCP, rate-limited links: the run equals the one-host run over shared memory
+// bitwise (dp 2: the sum of two terms is exact in any order; the compressed collective runs
+// the same steps on either transport), uncompressed and with int8.
+TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
+  const std::string mlp = "train --model mlp --hidden 64 --batch-size 32 --steps 10 --dp 2 --progress=false";
+  for (const std::string compress : {"none", "int8"}) {
+    ProcessResult ref = dtrain(mlp + " --compress " + compress + " --save " + path("ref-" + compress + ".dtm"));
+    ASSERT_EQ(ref.code, 0) << ref.output;
+    const std::string out = path("hosts-" + compress + ".dtm");
+    const std::string launch = std::string(DTRAIN_BINARY) +
+                               " launch --nnodes 2 --node-rank $HOST --master-addr $MASTER_ADDR --master-port 29613 "
+                               "-n 1 -- " +
+                               DTRAIN_BINARY + " " + mlp + " --compress " + compress + " --save " + out;
+    const std::string cmd = "DTRAIN_SECRET=netns-test timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
+                            "/scripts/netns-cluster --hosts 2 --rate 1gbit --name dtt -- sh -c '" + launch + "' 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string output;
+    std::array<char, 4096> buf{};
+    while (fgets(buf.data(), buf.size(), p) != nullptr) output += buf.data();
+    const int status = pclose(p);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << compress << ": " << output;
+    EXPECT_NE(output.find("[h0] [rank 0] saved"), std::string::npos) << output;
+    ProcessResult d = dtrain("diff --tol 0 --quiet " + path("ref-" + compress + ".dtm") + " " + out);
+    EXPECT_EQ(d.code, 0) << compress << ": " << d.output;
+  }
+}
+
 TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
   ProcessResult r = dtrain("launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "
                            "${#DTRAIN_SECRET} $MASTER_ADDR'",
