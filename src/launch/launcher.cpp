@@ -311,7 +311,11 @@ LaunchResult run_launch(const LaunchOptions& o) {
         }
       }
     }
-    // Exits.
+    // Exits: reap every worker that ended, then decide. The first failure's cause is among
+    // the workers that failed on their own before the launcher stopped anyone: a worker killed
+    // by a signal is the cause rather than the peers that raised because it died (they
+    // often end within the same poll interval).
+    std::vector<Worker*> failed_now;
     for (auto& w : workers) {
       if (!w.running) continue;
       int status = 0;
@@ -322,15 +326,22 @@ LaunchResult run_launch(const LaunchOptions& o) {
       } else {
         w.exit.exit_code = WEXITSTATUS(status);
       }
-      const bool failed = w.exit.signal != 0 || w.exit.exit_code != 0;
-      if (failed && !stopping && !result.interrupted) {
-        stopping = true;
-        result.report += describe(w.exit) + "\n";
-        stop_deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
-        stop_all(SIGTERM);
-        stop_all(SIGCONT);  // a stopped (hung) worker takes its SIGTERM now, not at the SIGKILL
+      if (w.exit.signal != 0 || w.exit.exit_code != 0) failed_now.push_back(&w);
+    }
+    if (!failed_now.empty() && !stopping && !result.interrupted) {
+      stopping = true;
+      std::stable_sort(failed_now.begin(), failed_now.end(),
+                       [](const Worker* a, const Worker* b) { return (a->exit.signal != 0) > (b->exit.signal != 0); });
+      const bool any_signal = failed_now.front()->exit.signal != 0;
+      for (Worker* w : failed_now) {
+        if (any_signal && w->exit.signal == 0) break;
+        result.first_failed.push_back(w->rank);
       }
+      for (Worker* w : failed_now) result.report += describe(w->exit) + "\n";
+      stop_deadline = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
+      stop_all(SIGTERM);
+      stop_all(SIGCONT);  // a stopped (hung) worker takes its SIGTERM now, not at the SIGKILL
     }
     if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
       stop_all(SIGKILL);

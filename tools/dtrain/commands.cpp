@@ -115,10 +115,7 @@ int run_launch(const launch::LaunchOptions& options) {
     // Elastic: a worker slot that failed on two starts in a row does not come back; with
     // --min-workers below -n the job goes on without it (workers resume from the checkpoint
     // in the smaller layout).
-    std::vector<int> failed;
-    for (const auto& w : r.workers) {
-      if (!w.stopped_by_launcher && (w.signal != 0 || w.exit_code != 0)) failed.push_back(w.rank);
-    }
+    const std::vector<int>& failed = r.first_failed;
     int lost = 0;
     for (int rank : failed) lost += std::count(failed_before.begin(), failed_before.end(), rank) > 0 ? 1 : 0;
     failed_before = failed;

@@ -48,6 +48,9 @@ struct LaunchResult {
   std::vector<WorkerExit> workers;
   std::string report;  // human-readable summary of failures
   bool interrupted = false;  // stopped because interrupt() asked, not because a worker failed
+  /// The ranks whose failure stopped the job: those killed by a signal among the first to
+  /// fail, else every worker that failed first (same poll interval).
+  std::vector<int> first_failed;
   int received_signal = 0;   // the launcher itself was told to stop (SIGINT, SIGTERM)
 };
 
