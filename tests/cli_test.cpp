@@ -435,6 +435,22 @@ TEST_F(Cli, CompressedGradientsSendFewerBytesAndStillTrain) {
     EXPECT_LE(f["compression_ratio"].get<double>(), c.min_ratio * 1.5 + 100.0) << c.compress;
     EXPECT_GT(f["test_accuracy"].get<double>(), 0.5) << c.compress;
   }
+  // Nothing lost: the error-feedback residuals (and PowerSGD's factors) are in the checkpoint,
+  // so a killed compressed run resumes to exactly the parameters of the one that never stopped.
+  for (const std::string compress : {"int8", "powersgd:2"}) {
+    const std::string run = mlp + " --compress " + compress + " --log-every 10";
+    const std::string tag = compress.substr(0, 4);
+    ASSERT_EQ(dtrain(run + " --metrics " + path(tag + "-ref.jsonl")).code, 0);
+    ::setenv("DTRAIN_FAULT", "kill:rank=1:step=17", 1);
+    ProcessResult k = dtrain(run + " --checkpoint-dir " + path(tag + "-ck") +
+                             " --checkpoint-every 5 --max-restarts 1 --metrics " + path(tag + "-k.jsonl"));
+    ::unsetenv("DTRAIN_FAULT");
+    ASSERT_EQ(k.code, 0) << k.output;
+    EXPECT_NE(k.output.find("resumed from"), std::string::npos) << k.output;
+    EXPECT_EQ(k.output.find("error feedback starts from zero"), std::string::npos) << k.output;
+    EXPECT_EQ(final_record(tag + "-k.jsonl")["params_digest"], final_record(tag + "-ref.jsonl")["params_digest"])
+        << compress;
+  }
   ProcessResult bad = dtrain(mlp + " --compress int3");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.output.find("--compress 'int3': expected none, bf16, fp16, int8, int4 or powersgd:RANK"),

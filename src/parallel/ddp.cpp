@@ -487,6 +487,38 @@ MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
   return m;
 }
 
+std::vector<nn::NamedTensor> DataParallel::compression_state() const {
+  const Impl& d = *impl_;
+  std::vector<nn::NamedTensor> out;
+  if (d.powersgd) return d.powersgd->state();
+  if (d.codec == comm::Codec::none) return out;
+  for (size_t bi = 0; bi < d.buckets.size(); ++bi) {
+    const Impl::Bucket& b = d.buckets[bi];
+    Tensor t = Tensor::zeros({static_cast<int64_t>(b.padded)});
+    if (b.residual) std::memcpy(t.data(), b.residual->data, b.padded * sizeof(float));
+    out.emplace_back("ef." + std::to_string(bi), t);
+  }
+  return out;
+}
+
+void DataParallel::load_compression_state(const std::vector<nn::NamedTensor>& state) {
+  Impl& d = *impl_;
+  if (d.powersgd) {
+    d.powersgd->load_state(state);
+    return;
+  }
+  if (d.codec == comm::Codec::none) return;
+  for (size_t bi = 0; bi < d.buckets.size(); ++bi) {
+    Impl::Bucket& b = d.buckets[bi];
+    const std::string name = "ef." + std::to_string(bi);
+    auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
+    DT_CHECK(it != state.end() && it->second.numel() == static_cast<int64_t>(b.padded), "ddp",
+             "compression state has no '{}' of {} elements", name, b.padded);
+    if (!b.residual) b.residual = zeroed_storage(b.padded);
+    std::memcpy(b.residual->data, it->second.data(), b.padded * sizeof(float));
+  }
+}
+
 CommVolume DataParallel::take_comm_volume() {
   const CommVolume v = impl_->volume;
   impl_->volume = CommVolume{};

@@ -1,6 +1,7 @@
 // PowerSGD: see powersgd.h.
 #include "powersgd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -123,6 +124,27 @@ void PowerSgd::reduce(comm::Group& group, const std::vector<Tensor>& grads, uint
   }
   if (wire) *wire += all_reduce_bytes(sent, world);
   if (raw) *raw += all_reduce_bytes(full, world);
+}
+
+std::vector<std::pair<std::string, Tensor>> PowerSgd::state() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const Matrix& mat : matrices_) {
+    out.emplace_back("powersgd.q." + std::to_string(mat.index), mat.q.clone());
+    out.emplace_back("powersgd.error." + std::to_string(mat.index), mat.error.clone());
+  }
+  return out;
+}
+
+void PowerSgd::load_state(const std::vector<std::pair<std::string, Tensor>>& state) {
+  for (Matrix& mat : matrices_) {
+    for (auto [prefix, target] : {std::pair<const char*, Tensor*>{"powersgd.q.", &mat.q}, {"powersgd.error.", &mat.error}}) {
+      const std::string name = prefix + std::to_string(mat.index);
+      auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
+      DT_CHECK(it != state.end() && it->second.shape() == target->shape(), "ddp",
+               "compression state has no '{}' of shape {}", name, shape_str(target->shape()));
+      target->copy_from(it->second);
+    }
+  }
 }
 
 }  // namespace dtrain::parallel

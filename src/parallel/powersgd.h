@@ -31,6 +31,10 @@ class PowerSgd {
   /// and what the f32 exchange of the same gradients would have sent (ring all_reduce volume).
   void reduce(comm::Group& group, const std::vector<Tensor>& grads, uint64_t* wire, uint64_t* raw);
   int rank() const { return rank_; }
+  /// Q and the error of every matrix: "powersgd.q.K", "powersgd.error.K" (K: index in grads).
+  std::vector<std::pair<std::string, Tensor>> state() const;
+  /// Restores state(); throws naming a missing or misshapen entry.
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& state);
 
  private:
   struct Matrix {

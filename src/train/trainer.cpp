@@ -412,6 +412,10 @@ CheckpointShard checkpoint_shard(int64_t step, const nn::Model& model, const opt
       if (v[k].defined()) shard.optimizer.emplace_back(kind + "/" + shard.params[k].first, v[k]);
     }
   }
+  // This rank's compression state (error feedback, PowerSGD): its own, for the same layout.
+  if (ddp != nullptr) {
+    for (auto& [name, t] : ddp->compression_state()) shard.optimizer.emplace_back("comm/" + name, t);
+  }
   const std::vector<int64_t> counters = optimizer.counters();
   shard.step_count = counters.at(0);
   if (counters.size() > 1) {
@@ -450,6 +454,7 @@ void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, 
   // The state kinds, and per kind one tensor per parameter of this rank (undefined: none).
   std::map<std::string, std::vector<Tensor>> kinds;
   for (const auto& [key, t] : state) {
+    if (key.starts_with("comm/")) continue;  // compression state: per rank, restored by the caller
     const size_t slash = key.find('/');
     kinds[key.substr(0, slash)].resize(named.size());
   }
@@ -581,6 +586,8 @@ TrainResult run_training(const TrainConfig& requested) {
                           {"tp", cfg.tp},
                           {"zero", cfg.zero},
                           {"optimizer", cfg.optimizer},
+                          {"compress", cfg.compress},
+                          {"bucket_mb", cfg.bucket_mb},
                           {"stages", nlohmann::json::array()}};
     for (const auto& r : stages) layout["stages"].push_back({r.begin, r.end});
     ckpt = std::make_unique<Checkpointer>(cfg.checkpoint_dir, cfg.keep, group.get(), layout);
@@ -589,6 +596,23 @@ TrainResult run_training(const TrainConfig& requested) {
     if (auto found = ckpt->latest(compatible)) {
       restore_checkpoint(*ckpt, *found, *model, *optimizer, ddp.get(), coord);
       start_step = found->step;
+      // Error feedback and PowerSGD state belong to one rank of one layout: carried over when
+      // the layout is the same (then the resumed run is bitwise the uninterrupted one).
+      if (ddp && cfg.compress != "none") {
+        std::vector<nn::NamedTensor> state;
+        if (found->layout == layout) {
+          for (auto& [name, t] : ckpt->read(found->step, rank).optimizer) {
+            if (name.starts_with("comm/")) state.emplace_back(name.substr(5), t);
+          }
+        }
+        if (!state.empty()) {
+          ddp->load_compression_state(state);
+        } else if (lead) {
+          DT_LOG_WARN("--compress {}: the checkpoint has no compression state for this layout; error feedback "
+                      "starts from zero",
+                      cfg.compress);
+        }
+      }
       if (lead) {
         DT_LOG_INFO("resumed from {}/step-{:08d}: {} steps done{}", cfg.checkpoint_dir, start_step, start_step,
                     found->layout != layout ? fmt::format(" (written by dp {} x pp {}, zero {})", found->layout["dp"].dump(),

@@ -143,6 +143,13 @@ class DataParallel {
   std::vector<BucketEvent> take_bucket_events();
   /// Gradient bytes sent since the last call (see CommVolume).
   CommVolume take_comm_volume();
+  /// The compression state of this rank (copies): error-feedback residuals per bucket
+  /// ("ef.B"), PowerSGD's Q and error per matrix ("powersgd.q.K", "powersgd.error.K"). Empty
+  /// without compression. For checkpoints: it belongs to this rank and this layout.
+  std::vector<nn::NamedTensor> compression_state() const;
+  /// Restores what compression_state() returned (same options and parameters); throws naming
+  /// a missing or misshapen entry.
+  void load_compression_state(const std::vector<nn::NamedTensor>& state);
 
   struct Impl;
 
