@@ -27,14 +27,19 @@ LIMITS = {"bf16": 0.5, "fp16": 0.5, "int8": 0.5, "int4": 1.0, "powersgd:4": 1.0}
 RATIOS = {"int8": 3.5, "int4": 7.0, "powersgd:4": 20.0}
 
 
-def train(args, tmp, name, extra):
-    metrics = os.path.join(tmp, name + ".jsonl")
-    cmd = [args.dtrain, "train", "--dp", "4", "--progress=false", "--log-every", "1000", "--metrics", metrics] + extra
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+def final_record(cmd, metrics, name, env=None):
+    """Runs cmd (which writes JSON-lines metrics to `metrics`) and returns its last record."""
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=3600)
     if p.returncode != 0:
         sys.exit(f"{name} failed ({p.returncode}):\n{p.stdout[-3000:]}")
     with open(metrics) as f:
         return [json.loads(x) for x in f if x.strip()][-1]
+
+
+def train(args, tmp, name, extra):
+    metrics = os.path.join(tmp, name + ".jsonl")
+    cmd = [args.dtrain, "train", "--dp", "4", "--progress=false", "--log-every", "1000", "--metrics", metrics] + extra
+    return final_record(cmd, metrics, name)
 
 
 def main():

@@ -14,9 +14,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
+
+from compression import final_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,12 +30,7 @@ def run(args, tmp, codec, k):
               "$MASTER_ADDR", "--master-port", "29611", "-n", "1", "--"] + train
     cmd = [os.path.join(ROOT, "scripts/netns-cluster"), "--hosts", str(args.hosts), "--rate", args.rate, "--", "sh",
            "-c", " ".join(launch)]
-    env = dict(os.environ, DTRAIN_SECRET="compression-netns-bench")
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=1800)
-    if p.returncode != 0:
-        sys.exit(f"{codec} failed ({p.returncode}):\n{p.stdout[-3000:]}")
-    with open(metrics) as f:
-        return [json.loads(x) for x in f if x.strip()][-1]
+    return final_record(cmd, metrics, codec, env=dict(os.environ, DTRAIN_SECRET="compression-netns-bench"))
 
 
 def main():

@@ -27,17 +27,20 @@ struct ProcessResult {
   std::string output;  // stdout and stderr
 };
 
-// Runs the dtrain binary with a hard time limit so a hang fails the test instead of CI.
-ProcessResult dtrain(const std::string& args, int limit_s = 240) {
-  const std::string cmd =
-      "timeout -k 5 " + std::to_string(limit_s) + " " + std::string(DTRAIN_BINARY) + " " + args + " 2>&1";
+// Runs a shell command line; its stdout (add 2>&1 for stderr) and exit code.
+ProcessResult run_shell(const std::string& cmd) {
   FILE* p = popen(cmd.c_str(), "r");
   EXPECT_NE(p, nullptr);
   std::string out;
   std::array<char, 4096> buf{};
-  while (fgets(buf.data(), buf.size(), p) != nullptr) out += buf.data();
-  const int status = pclose(p);
+  while (p != nullptr && fgets(buf.data(), buf.size(), p) != nullptr) out += buf.data();
+  const int status = p != nullptr ? pclose(p) : -1;
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// Runs the dtrain binary with a hard time limit so a hang fails the test instead of CI.
+ProcessResult dtrain(const std::string& args, int limit_s = 240) {
+  return run_shell("timeout -k 5 " + std::to_string(limit_s) + " " + std::string(DTRAIN_BINARY) + " " + args + " 2>&1");
 }
 
 // Starts the dtrain binary in the background, its output going to `log`; returns its pid
@@ -568,7 +571,9 @@ TEST_F(Cli, AnElasticJobShrinksWhenANodeLeavesAndGrowsWhenItReturns) {
   EXPECT_NE(log0.find("round 0: 2 nodes (node ranks 0,1), this is node 0 of the round: ranks 0-1 of 4"),
             std::string::npos)
       << log0;
-  EXPECT_NE(log0.find("round 0 failed elsewhere: node 1 left"), std::string::npos) << log0;
+  // Node 0 learns it from the store ("node 1 left") or from its own workers (peers died),
+  // whichever comes first.
+  EXPECT_NE(log0.find("round 0 ended: "), std::string::npos) << log0;
   EXPECT_NE(log0.find("round 1: 1 node (node ranks 0), this is node 0 of the round: ranks 0-1 of 2"),
             std::string::npos)
       << log0;
@@ -596,14 +601,9 @@ TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
                                DTRAIN_BINARY + " " + mlp + " --compress " + compress + " --save " + out;
     const std::string cmd = "DTRAIN_SECRET=netns-test timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
                             "/scripts/netns-cluster --hosts 2 --rate 1gbit --name dtt -- sh -c '" + launch + "' 2>&1";
-    FILE* p = popen(cmd.c_str(), "r");
-    ASSERT_NE(p, nullptr);
-    std::string output;
-    std::array<char, 4096> buf{};
-    while (fgets(buf.data(), buf.size(), p) != nullptr) output += buf.data();
-    const int status = pclose(p);
-    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << compress << ": " << output;
-    EXPECT_NE(output.find("[h0] [rank 0] saved"), std::string::npos) << output;
+    const ProcessResult r = run_shell(cmd);
+    ASSERT_EQ(r.code, 0) << compress << ": " << r.output;
+    EXPECT_NE(r.output.find("[h0] [rank 0] saved"), std::string::npos) << r.output;
     ProcessResult d = dtrain("diff --tol 0 --quiet " + path("ref-" + compress + ".dtm") + " " + out);
     EXPECT_EQ(d.code, 0) << compress << ": " << d.output;
   }

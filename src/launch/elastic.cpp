@@ -7,6 +7,8 @@
 //   elastic/R/closed    the number of members, written once (compare-and-set) by whichever
 //                       agent closes the round; slots past it are late and join round R+1
 //   elastic/R/failed    why the round failed (the first node to see a failure writes it)
+//   elastic/R/done      how many members' workers finished (node 0, which serves the store,
+//                       waits for all of them before it exits)
 // A running round ends early when elastic/(R+1)/joined becomes non-zero: a node is waiting.
 #include <unistd.h>
 
@@ -132,18 +134,33 @@ int run_elastic(const LaunchOptions& o) {
       const auto now = Clock::now();
       if (now - last_poll < std::chrono::milliseconds(200)) return "";
       last_poll = now;
-      if (auto f = store->try_get(key(round, "failed"))) {
+      try {
+        if (auto f = store->try_get(key(round, "failed"))) {
+          other_failed = true;
+          return fmt::format("round {} failed elsewhere: {}", round, *f);
+        }
+        if (const int64_t waiting = store->add(key(round + 1, "joined"), 0); waiting > 0) {
+          return fmt::format("round {}: {} node{} asked to join; stopping the workers to form a larger world", round,
+                             waiting, waiting > 1 ? "s" : "");
+        }
+      } catch (const std::exception& e) {
         other_failed = true;
-        return fmt::format("round {} failed elsewhere: {}", round, *f);
-      }
-      if (const int64_t waiting = store->add(key(round + 1, "joined"), 0); waiting > 0) {
-        return fmt::format("round {}: {} node{} asked to join; stopping the workers to form a larger world", round,
-                           waiting, waiting > 1 ? "s" : "");
+        return fmt::format("round {}: lost the rendezvous store (node 0's agent): {}", round, e.what());
       }
       return "";
     };
     const LaunchResult r = run_launch(lo);
     if (r.exit_code == 0 && !r.interrupted) {
+      // Node 0 serves the store: it stays until every member's workers finished too.
+      const int64_t done = store->add(key(round, "done"), 1);
+      if (server) {
+        const auto until = Clock::now() + std::chrono::seconds(60);
+        for (int64_t n = done; n < static_cast<int64_t>(m.nodes.size()) && Clock::now() < until;
+             n = store->add(key(round, "done"), 0)) {
+          if (store->try_get(key(round, "failed"))) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling the store
+        }
+      }
       say(fmt::format("round {}: the workers finished", round));
       return 0;
     }

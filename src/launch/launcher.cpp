@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -400,6 +401,21 @@ LaunchResult run_launch(const LaunchOptions& o) {
     }
   }
   if (own_flight_dir) remove_directory(flight_dir);
+  // Several nodes: node 0 serves the store, so after a clean run it stays until the other
+  // nodes' workers finished too (their heartbeats and last calls still reach the store).
+  if (o.nnodes > 1 && o.serve_store && result.exit_code == 0) {
+    try {
+      auto store = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(port), secret, std::chrono::seconds(10));
+      const int64_t done = store->add("launch/done", 1);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      for (int64_t n = done; server && n < o.nnodes && std::chrono::steady_clock::now() < until;
+           n = store->add("launch/done", 0)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling the store
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dtrain launch: node %d could not report its end to the store: %s\n", o.node_rank, e.what());
+    }
+  }
   return result;
 }
 
