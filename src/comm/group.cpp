@@ -291,7 +291,8 @@ struct Group::Impl {
   // failure breaks the group and aborts the transport so the peers fail too. Returns the
   // error (null on success); *left_in_flight tells whether a p2p body left its request posted.
   template <typename Body>
-  std::exception_ptr guarded(const char* op, uint64_t seq, Body&& body, bool* left_in_flight = nullptr) {
+  std::exception_ptr guarded(const char* op, uint64_t seq, Body&& body, bool* left_in_flight = nullptr,
+                             Clock::time_point now = Clock::time_point{}) {
     if (broken) {
       try {
         std::rethrow_exception(broken);
@@ -302,7 +303,7 @@ struct Group::Impl {
       }
     }
     try {
-      const bool finished = body(seq, deadline_after(options.timeout));
+      const bool finished = body(seq, (now == Clock::time_point{} ? Clock::now() : now) + options.timeout);
       if (left_in_flight != nullptr) *left_in_flight = !finished;
       return nullptr;
     } catch (const TransportError& e) {
@@ -346,13 +347,17 @@ struct Group::Impl {
       busy = true;
       seq = collective_seq++;
     }
-    const uint64_t flight_id = recorder->queued(op, seq, true, bytes, peer);
-    recorder->started(flight_id);
-    std::exception_ptr err = guarded(op, seq, [&](uint64_t, Deadline deadline) {
-      body(deadline);
-      return true;
-    });
-    recorder->ended(flight_id, err);
+    // Recorded once it ended (one clock read and one lock on this latency path): a failure
+    // or a timeout still ends it, so the record dumped on failure has it.
+    const auto start = Clock::now();
+    std::exception_ptr err = guarded(
+        op, seq,
+        [&](uint64_t, Deadline deadline) {
+          body(deadline);
+          return true;
+        },
+        nullptr, start);
+    recorder->completed(op, seq, bytes, peer, start, err);
     if (err) health::dump_on_first_failure();
     {
       std::lock_guard<std::mutex> lock(mu);

@@ -30,9 +30,18 @@ namespace health {
 
 // ---------------------------------------------------------------------------------- FlightRecorder
 
-uint64_t FlightRecorder::queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer) {
-  std::lock_guard<std::mutex> lock(mu_);
+FlightRecorder::Lock::Lock(const std::atomic<bool>& f) : flag(const_cast<std::atomic<bool>&>(f)) {
+  for (int spins = 0; flag.exchange(true, std::memory_order_acquire); ++spins) {
+    if (spins > 64) std::this_thread::yield();
+  }
+}
+
+FlightRecorder::Lock::~Lock() { flag.store(false, std::memory_order_release); }
+
+uint64_t FlightRecorder::queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer, bool running) {
   if (ring_.empty()) return UINT64_MAX;
+  const auto now = Clock::now();
+  Lock lock(busy_);
   const uint64_t id = next_++;
   const size_t slot = id % ring_.size();
   FlightEntry& e = ring_[slot];
@@ -41,9 +50,10 @@ uint64_t FlightRecorder::queued(const char* op, uint64_t seq, bool collective, s
   e.collective = collective;
   e.bytes = bytes;
   e.peer = peer;
-  e.state = FlightEntry::State::queued;
-  e.queued_at = Clock::now();
-  e.started_at = e.finished_at = Clock::time_point{};
+  e.state = running ? FlightEntry::State::running : FlightEntry::State::queued;
+  e.queued_at = now;
+  e.started_at = running ? now : Clock::time_point{};
+  e.finished_at = Clock::time_point{};
   e.error.clear();
   ids_[slot] = id;
   return id;
@@ -56,35 +66,64 @@ FlightEntry* FlightRecorder::find(uint64_t id) {
 }
 
 void FlightRecorder::started(uint64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  if (id == UINT64_MAX) return;
+  const auto now = Clock::now();
+  Lock lock(busy_);
   if (FlightEntry* e = find(id)) {
     e->state = FlightEntry::State::running;
-    e->started_at = Clock::now();
+    e->started_at = now;
   }
 }
 
-void FlightRecorder::ended(uint64_t id, const std::exception_ptr& error) {
-  std::string what;
-  if (error) {
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& ex) {
-      what = ex.what();
-    } catch (...) {
-      what = "unknown error";
-    }
+namespace {
+std::string error_text(const std::exception_ptr& error) {
+  if (!error) return {};
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown error";
   }
-  std::lock_guard<std::mutex> lock(mu_);
+}
+}  // namespace
+
+void FlightRecorder::completed(const char* op, uint64_t seq, size_t bytes, int peer, Clock::time_point start,
+                               const std::exception_ptr& error) {
+  if (ring_.empty()) return;
+  std::string what = error_text(error);
+  const auto now = error ? Clock::now() : start;  // no clock read on the success path (see FlightEntry)
+  Lock lock(busy_);
+  const uint64_t id = next_++;
+  const size_t slot = id % ring_.size();
+  FlightEntry& e = ring_[slot];
+  e.seq = seq;
+  e.op = op;
+  e.collective = true;
+  e.bytes = bytes;
+  e.peer = peer;
+  e.state = error ? FlightEntry::State::failed : FlightEntry::State::done;
+  e.queued_at = e.started_at = start;
+  e.finished_at = now;
+  e.error = std::move(what);
+  ids_[slot] = id;
+}
+
+void FlightRecorder::ended(uint64_t id, const std::exception_ptr& error) {
+  std::string what = error_text(error);
+  if (id == UINT64_MAX) return;
+  const auto now = Clock::now();
+  Lock lock(busy_);
   if (FlightEntry* e = find(id)) {
     e->state = error ? FlightEntry::State::failed : FlightEntry::State::done;
-    e->finished_at = Clock::now();
+    e->finished_at = now;
     if (e->started_at == Clock::time_point{}) e->started_at = e->finished_at;
     e->error = std::move(what);
   }
 }
 
 std::vector<FlightEntry> FlightRecorder::entries() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(busy_);
   std::vector<FlightEntry> out;
   const size_t n = ring_.size();
   const uint64_t first = next_ > n ? next_ - n : 0;

@@ -25,19 +25,31 @@
 
 namespace dtrain::comm::health {
 
+// Recording sits on the latency path of small collectives (a few hundred nanoseconds): a
+// spin lock held for a few stores, one clock read per state change, no allocation for the
+// usual short op names.
 class FlightRecorder {
  public:
   explicit FlightRecorder(size_t capacity) : ring_(capacity) {}
-  /// Records an operation as queued; returns its id for started()/ended().
-  uint64_t queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer);
+  /// Records an operation as queued (started too, when `running`); returns its id for
+  /// started()/ended().
+  uint64_t queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer, bool running = false);
   void started(uint64_t id);
   void ended(uint64_t id, const std::exception_ptr& error);
+  /// Records a collective that ran from `start` until now in one go.
+  void completed(const char* op, uint64_t seq, size_t bytes, int peer, Clock::time_point start,
+                 const std::exception_ptr& error);
   /// Oldest first.
   std::vector<FlightEntry> entries() const;
 
  private:
+  struct Lock {
+    explicit Lock(const std::atomic<bool>& flag);
+    ~Lock();
+    std::atomic<bool>& flag;
+  };
   FlightEntry* find(uint64_t id);  // null once overwritten
-  mutable std::mutex mu_;
+  mutable std::atomic<bool> busy_{false};
   std::vector<FlightEntry> ring_;
   std::vector<uint64_t> ids_ = std::vector<uint64_t>(ring_.size(), UINT64_MAX);
   uint64_t next_ = 0;

@@ -84,6 +84,9 @@ struct FlightEntry {
   size_t bytes = 0;  // payload per rank
   int peer = -1;     // point to point: the peer; broadcast/reduce: the root
   State state = State::queued;
+  /// A blocking collective that ran inline in the caller (the small-message latency path) is
+  /// recorded when it ends, with queued = started = its start and, when it succeeded,
+  /// finished = started too: its duration is not measured, to keep clock reads off that path.
   Clock::time_point queued_at{}, started_at{}, finished_at{};
   std::string error;
 };
