@@ -206,7 +206,8 @@ TEST(Heartbeat, AStoppedRankIsReportedByEveryOtherRankWithinTheHeartbeatTimeout)
   ::kill(pids[static_cast<size_t>(victim)], SIGKILL);
   wait_exit(pids[static_cast<size_t>(victim)]);
   EXPECT_LT(detected, 10s) << "the survivors took too long to notice the stopped rank";
-  EXPECT_GE(detected, 900ms) << "detected before the heartbeat timeout: a false alarm?";
+  // The watcher's last seen beat may precede the stop by an interval plus a store round trip.
+  EXPECT_GE(detected, 700ms) << "detected well before the heartbeat timeout: a false alarm?";
   for (int r = 0; r < size; ++r) {
     if (r == victim) continue;
     const std::string res = read_file(job.dir / fmt::format("result{}", r));
@@ -277,7 +278,6 @@ TEST(FlightRecord, KeepsTheLastOperationsInOrderWithTheirOutcome) {
 
 TEST(FlightRecord, AFailedOperationIsRecordedWithItsError) {
   GroupOptions opts = test_util::quick_options();
-  opts.timeout = 200ms;
   test_util::run_ranks(
       2,
       [](Group& g) {

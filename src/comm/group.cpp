@@ -43,9 +43,10 @@ struct Work::State {
 
   Clock::time_point finished_at{};
 
-  void finish(std::exception_ptr e) {
+  // `dump`: a failure worth the process's one flight-record dump (not a teardown).
+  void finish(std::exception_ptr e, bool dump = true) {
     if (recorder) recorder->ended(flight_id, e);
-    if (e) health::dump_on_first_failure();
+    if (e && dump) health::dump_on_first_failure();
     {
       std::lock_guard<std::mutex> lock(mu);
       finished_at = Clock::now();
@@ -156,7 +157,7 @@ struct Group::Impl {
           continue;
         }
         if (stopping && queue.empty()) {
-          fail_inflight("the group was destroyed while it was pending");
+          fail_inflight("the group was destroyed while it was pending", /*dump=*/false);
           return;
         }
         busy = true;
@@ -211,10 +212,11 @@ struct Group::Impl {
     return any;
   }
 
-  void fail_inflight(const std::string& why) {
+  void fail_inflight(const std::string& why, bool dump = true) {
     for (auto& f : inflight) {
-      f.state->finish(std::make_exception_ptr(
-          CommError(f.state->op, f.state->seq, {f.peer}, fmt::format("{}: {}", f.what, why), __FILE__, __LINE__)));
+      f.state->finish(std::make_exception_ptr(CommError(f.state->op, f.state->seq, {f.peer},
+                                                        fmt::format("{}: {}", f.what, why), __FILE__, __LINE__)),
+                      dump);
     }
     inflight.clear();
   }
@@ -570,8 +572,10 @@ Group Group::from_env(GroupOptions options) {
   }
   auto store = connect_tcp_store(addr, static_cast<uint16_t>(port), secret, options.timeout);
   if (options.heartbeat_timeout > Duration::zero() && !options.heartbeat_store) {
-    // Its own connection: the group's requests (a blocking get) must not hold up a heartbeat.
-    options.heartbeat_store = connect_tcp_store(addr, static_cast<uint16_t>(port), secret, options.timeout);
+    // Its own connection: the group's requests (a blocking get) must not hold up a heartbeat;
+    // and a short I/O timeout, so that a silent store counts as a missed beat, not a long wait.
+    options.heartbeat_store = connect_tcp_store(addr, static_cast<uint16_t>(port), secret,
+                                                std::max(options.heartbeat_timeout, Duration(1000)));
   }
   // An elastic job meets in rounds at one store: each round's world has a name of its own.
   const char* run = std::getenv("DTRAIN_RUN_ID");

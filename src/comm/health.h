@@ -4,9 +4,10 @@
 // - Heartbeat: a thread that publishes this rank's liveness in the store and watches the
 //   next rank's, so that a rank that died, stopped or lost the network is found within the
 //   heartbeat timeout even when no collective is waiting on it.
-// - A registry of the live groups of this process, so that a failure found by one group (or
-//   by the heartbeat) aborts every group's pending operations, and the flight records of all
-//   of them are dumped once on the first failure (DTRAIN_FLIGHT_DIR).
+// - A registry of the live groups of this process, so that a failure the heartbeat finds
+//   aborts every group's pending operations (a failure inside one group aborts that group's
+//   transport, which its peers see), and the flight records of all of them are dumped once on
+//   the first failure (DTRAIN_FLIGHT_DIR).
 #pragma once
 
 #include <atomic>

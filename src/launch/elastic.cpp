@@ -9,6 +9,12 @@
 //   elastic/R/failed    why the round failed (the first node to see a failure writes it)
 //   elastic/R/done      how many members' workers finished (node 0, which serves the store,
 //                       waits for all of them before it exits)
+//   elastic/R/alive     bumped by the members while their workers run; elastic/R/ended once they
+//                       stopped. Round R+1 does not start its last call while R still runs, so a
+//                       joiner waits for the members of R instead of forming a round alone.
+// A running round is stopped for a joiner only when it has fewer than MAX nodes (a spare node
+// waits for a failure). elastic/finished (the round whose workers finished) sends the agents
+// still waiting home.
 // A running round ends early when elastic/(R+1)/joined becomes non-zero: a node is waiting.
 #include <unistd.h>
 
@@ -53,6 +59,7 @@ int64_t parse_count(const std::string& text, const std::string& what) {
 }
 
 // Joins the first round that is still open at or after `round` and waits until it closes.
+// No nodes in the result: the job finished meanwhile.
 Membership join(comm::Store& store, int64_t round, const LaunchOptions& o) {
   const auto deadline = Clock::now() + std::chrono::duration<double>(o.join_timeout_seconds);
   const auto last_call = std::chrono::duration<double>(o.last_call_seconds);
@@ -62,7 +69,20 @@ Membership join(comm::Store& store, int64_t round, const LaunchOptions& o) {
     const int64_t slot = store.add(key(round, "joined"), 1);
     store.set(key(round, fmt::format("slot/{}", slot)), std::to_string(o.node_rank));
     auto enough_since = Clock::time_point::max();
+    std::string previous_alive;
+    auto previous_change = Clock::now();
+    // Whether round - 1 still has workers running (its members bump "alive" every 200 ms).
+    auto previous_running = [&](Clock::time_point now) {
+      if (round == 0 || !store.try_get(key(round - 1, "closed")) || store.try_get(key(round - 1, "ended"))) return false;
+      const std::string alive = store.try_get(key(round - 1, "alive")).value_or("");
+      if (alive != previous_alive) {
+        previous_alive = alive;
+        previous_change = now;
+      }
+      return now - previous_change < std::chrono::seconds(3);
+    };
     while (true) {
+      if (store.try_get("elastic/finished")) return Membership{round, {}, -1};
       if (auto closed = store.try_get(key(round, "closed"))) {
         const int64_t n = parse_count(*closed, key(round, "closed"));
         if (slot > n) break;  // late: the next round
@@ -83,8 +103,12 @@ Membership join(comm::Store& store, int64_t round, const LaunchOptions& o) {
       if (joined >= o.max_nodes) {
         store.compare_set(key(round, "closed"), "", std::to_string(o.max_nodes));
       } else if (joined >= o.min_nodes) {
-        if (enough_since == Clock::time_point::max()) enough_since = now;
-        if (now - enough_since >= last_call) store.compare_set(key(round, "closed"), "", std::to_string(joined));
+        if (previous_running(now)) {
+          enough_since = Clock::time_point::max();
+        } else if (enough_since == Clock::time_point::max()) {
+          enough_since = now;
+        }
+        if (enough_since != Clock::time_point::max() && now - enough_since >= last_call) store.compare_set(key(round, "closed"), "", std::to_string(joined));
       } else if (now > deadline) {
         DT_THROW("launch", "round {}: only {} of at least {} nodes joined within {} s (--nnodes {}:{})", round, joined,
                  o.min_nodes, o.join_timeout_seconds, o.min_nodes, o.max_nodes);
@@ -111,12 +135,20 @@ int run_elastic(const LaunchOptions& o) {
   if (o.node_rank == 0) {
     server = std::make_unique<comm::TcpStoreServer>(o.master_addr, static_cast<uint16_t>(o.master_port), secret);
   }
+  // Wait for the store (node 0's agent may start later), then talk to it with a short I/O
+  // timeout: the agent polls it from the launcher's loop, which must keep serving signals.
+  comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(o.master_port), secret,
+                          std::chrono::milliseconds(static_cast<int64_t>(o.join_timeout_seconds * 1000)));
   auto store = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(o.master_port), secret,
-                                       std::chrono::milliseconds(static_cast<int64_t>(o.join_timeout_seconds * 1000)));
+                                       std::chrono::seconds(10));
   int failures = 0;
   for (int64_t round = 0;;) {
     const Membership m = join(*store, round, o);
     round = m.round;
+    if (m.nodes.empty()) {
+      say(fmt::format("the job finished while this node waited to join (round {})", round));
+      return 0;
+    }
     say(fmt::format("round {}: {} node{} (node ranks {}), this is node {} of the round: ranks {}-{} of {}", round,
                     m.nodes.size(), m.nodes.size() > 1 ? "s" : "", fmt::join(m.nodes, ","), m.index,
                     m.index * o.nproc_per_node, (m.index + 1) * o.nproc_per_node - 1,
@@ -135,11 +167,13 @@ int run_elastic(const LaunchOptions& o) {
       if (now - last_poll < std::chrono::milliseconds(200)) return "";
       last_poll = now;
       try {
+        store->add(key(round, "alive"), 1);
         if (auto f = store->try_get(key(round, "failed"))) {
           other_failed = true;
           return fmt::format("round {} failed elsewhere: {}", round, *f);
         }
-        if (const int64_t waiting = store->add(key(round + 1, "joined"), 0); waiting > 0) {
+        const int64_t waiting = static_cast<int>(m.nodes.size()) < o.max_nodes ? store->add(key(round + 1, "joined"), 0) : 0;
+        if (waiting > 0) {
           return fmt::format("round {}: {} node{} asked to join; stopping the workers to form a larger world", round,
                              waiting, waiting > 1 ? "s" : "");
         }
@@ -150,8 +184,13 @@ int run_elastic(const LaunchOptions& o) {
       return "";
     };
     const LaunchResult r = run_launch(lo);
-    if (r.exit_code == 0 && !r.interrupted) {
+    try {
+      store->set(key(round, "ended"), "1");
+    } catch (const std::exception&) {
+    }
+    if (r.exit_code == 0) {
       // Node 0 serves the store: it stays until every member's workers finished too.
+      store->set("elastic/finished", std::to_string(round));
       const int64_t done = store->add(key(round, "done"), 1);
       if (server) {
         const auto until = Clock::now() + std::chrono::seconds(60);

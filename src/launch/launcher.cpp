@@ -178,11 +178,12 @@ LaunchResult run_launch(const LaunchOptions& o) {
   // else a fresh directory removed after a clean run and kept (and named) after a failure.
   std::string flight_dir;
   bool own_flight_dir = false;
-  if (const char* env = std::getenv("DTRAIN_FLIGHT_DIR"); env != nullptr && *env != '\0') {
-    flight_dir = env;
-  } else {
-    char tmpl[] = "/tmp/dtrain-flight-XXXXXX";
-    if (::mkdtemp(tmpl) != nullptr) {
+  // A directory of this launch's own (under the user's DTRAIN_FLIGHT_DIR if set), so the report
+  // never shows records of an earlier start.
+  {
+    const char* env = std::getenv("DTRAIN_FLIGHT_DIR");
+    std::string tmpl = (env != nullptr && *env != '\0' ? std::string(env) : std::string("/tmp")) + "/dtrain-flight-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) {
       flight_dir = tmpl;
       own_flight_dir = true;
     }
@@ -279,7 +280,8 @@ LaunchResult run_launch(const LaunchOptions& o) {
       stop_all(c);
     }
     // Asked to stop from outside (elastic: another node failed or wants to join).
-    if (o.interrupt && !stopping) {
+    if (o.interrupt && !stopping &&
+        std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; })) {
       const std::string why = o.interrupt();
       if (!why.empty()) {
         stopping = true;
@@ -392,7 +394,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
         result.report += describe(w) + "\n";
       }
     }
-    if (!flight_dir.empty()) {
+    if (!flight_dir.empty() && !result.interrupted) {  // an interrupt is not a failure to explain
       const std::string summary = flight_summary(flight_dir);
       if (!summary.empty()) {
         result.report += fmt::format("flight records ({}):\n{}", flight_dir, summary);
