@@ -38,9 +38,9 @@ FlightRecorder::Lock::Lock(const std::atomic<bool>& f) : flag(const_cast<std::at
 
 FlightRecorder::Lock::~Lock() { flag.store(false, std::memory_order_release); }
 
-uint64_t FlightRecorder::queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer, bool running) {
-  if (ring_.empty()) return UINT64_MAX;
-  const auto now = Clock::now();
+uint64_t FlightRecorder::write(const char* op, uint64_t seq, bool collective, size_t bytes, int peer,
+                               FlightEntry::State state, Clock::time_point queued, Clock::time_point started,
+                               Clock::time_point finished, std::string error) {
   Lock lock(busy_);
   const uint64_t id = next_++;
   const size_t slot = id % ring_.size();
@@ -50,13 +50,20 @@ uint64_t FlightRecorder::queued(const char* op, uint64_t seq, bool collective, s
   e.collective = collective;
   e.bytes = bytes;
   e.peer = peer;
-  e.state = running ? FlightEntry::State::running : FlightEntry::State::queued;
-  e.queued_at = now;
-  e.started_at = running ? now : Clock::time_point{};
-  e.finished_at = Clock::time_point{};
-  e.error.clear();
+  e.state = state;
+  e.queued_at = queued;
+  e.started_at = started;
+  e.finished_at = finished;
+  e.error = std::move(error);
   ids_[slot] = id;
   return id;
+}
+
+uint64_t FlightRecorder::queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer, bool running) {
+  if (ring_.empty()) return UINT64_MAX;
+  const auto now = Clock::now();
+  return write(op, seq, collective, bytes, peer, running ? FlightEntry::State::running : FlightEntry::State::queued,
+               now, running ? now : Clock::time_point{}, Clock::time_point{}, {});
 }
 
 FlightEntry* FlightRecorder::find(uint64_t id) {
@@ -91,22 +98,9 @@ std::string error_text(const std::exception_ptr& error) {
 void FlightRecorder::completed(const char* op, uint64_t seq, size_t bytes, int peer, Clock::time_point start,
                                const std::exception_ptr& error) {
   if (ring_.empty()) return;
-  std::string what = error_text(error);
   const auto now = error ? Clock::now() : start;  // no clock read on the success path (see FlightEntry)
-  Lock lock(busy_);
-  const uint64_t id = next_++;
-  const size_t slot = id % ring_.size();
-  FlightEntry& e = ring_[slot];
-  e.seq = seq;
-  e.op = op;
-  e.collective = true;
-  e.bytes = bytes;
-  e.peer = peer;
-  e.state = error ? FlightEntry::State::failed : FlightEntry::State::done;
-  e.queued_at = e.started_at = start;
-  e.finished_at = now;
-  e.error = std::move(what);
-  ids_[slot] = id;
+  write(op, seq, true, bytes, peer, error ? FlightEntry::State::failed : FlightEntry::State::done, start, start, now,
+        error_text(error));
 }
 
 void FlightRecorder::ended(uint64_t id, const std::exception_ptr& error) {

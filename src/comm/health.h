@@ -50,6 +50,9 @@ class FlightRecorder {
     std::atomic<bool>& flag;
   };
   FlightEntry* find(uint64_t id);  // null once overwritten
+  // Takes the next slot and fills it; returns its id.
+  uint64_t write(const char* op, uint64_t seq, bool collective, size_t bytes, int peer, FlightEntry::State state,
+                 Clock::time_point queued, Clock::time_point started, Clock::time_point finished, std::string error);
   mutable std::atomic<bool> busy_{false};
   std::vector<FlightEntry> ring_;
   std::vector<uint64_t> ids_ = std::vector<uint64_t>(ring_.size(), UINT64_MAX);

@@ -16,6 +16,7 @@
 // waits for a failure). elastic/finished (the round whose workers finished) sends the agents
 // still waiting home.
 // A running round ends early when elastic/(R+1)/joined becomes non-zero: a node is waiting.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,8 +26,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
@@ -73,7 +72,8 @@ Membership join(comm::Store& store, int64_t round, const LaunchOptions& o) {
     auto previous_change = Clock::now();
     // Whether round - 1 still has workers running (its members bump "alive" every 200 ms).
     auto previous_running = [&](Clock::time_point now) {
-      if (round == 0 || !store.try_get(key(round - 1, "closed")) || store.try_get(key(round - 1, "ended"))) return false;
+      if (round == 0 || !store.try_get(key(round - 1, "closed")) || store.try_get(key(round - 1, "ended")))
+        return false;
       const std::string alive = store.try_get(key(round - 1, "alive")).value_or("");
       if (alive != previous_alive) {
         previous_alive = alive;
@@ -108,7 +108,8 @@ Membership join(comm::Store& store, int64_t round, const LaunchOptions& o) {
         } else if (enough_since == Clock::time_point::max()) {
           enough_since = now;
         }
-        if (enough_since != Clock::time_point::max() && now - enough_since >= last_call) store.compare_set(key(round, "closed"), "", std::to_string(joined));
+        if (enough_since != Clock::time_point::max() && now - enough_since >= last_call)
+          store.compare_set(key(round, "closed"), "", std::to_string(joined));
       } else if (now > deadline) {
         DT_THROW("launch", "round {}: only {} of at least {} nodes joined within {} s (--nnodes {}:{})", round, joined,
                  o.min_nodes, o.join_timeout_seconds, o.min_nodes, o.max_nodes);
@@ -139,8 +140,8 @@ int run_elastic(const LaunchOptions& o) {
   // timeout: the agent polls it from the launcher's loop, which must keep serving signals.
   comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(o.master_port), secret,
                           std::chrono::milliseconds(static_cast<int64_t>(o.join_timeout_seconds * 1000)));
-  auto store = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(o.master_port), secret,
-                                       std::chrono::seconds(10));
+  auto store =
+      comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(o.master_port), secret, std::chrono::seconds(10));
   int failures = 0;
   for (int64_t round = 0;;) {
     const Membership m = join(*store, round, o);
@@ -172,7 +173,8 @@ int run_elastic(const LaunchOptions& o) {
           other_failed = true;
           return fmt::format("round {} failed elsewhere: {}", round, *f);
         }
-        const int64_t waiting = static_cast<int>(m.nodes.size()) < o.max_nodes ? store->add(key(round + 1, "joined"), 0) : 0;
+        const int64_t waiting =
+            static_cast<int>(m.nodes.size()) < o.max_nodes ? store->add(key(round + 1, "joined"), 0) : 0;
         if (waiting > 0) {
           return fmt::format("round {}: {} node{} asked to join; stopping the workers to form a larger world", round,
                              waiting, waiting > 1 ? "s" : "");

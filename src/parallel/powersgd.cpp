@@ -71,7 +71,8 @@ void PowerSgd::reduce(comm::Group& group, const std::vector<Tensor>& grads, uint
   if (vec_count > 0) group.all_reduce(vec.data(), vec.data(), vec_count, comm::DataType::f32, comm::ReduceOp::avg);
   at = 0;
   for (size_t k : vectors_) {
-    std::memcpy(const_cast<float*>(grads[k].data()), vec.data() + at, static_cast<size_t>(grads[k].numel()) * sizeof(float));
+    std::memcpy(const_cast<float*>(grads[k].data()), vec.data() + at,
+                static_cast<size_t>(grads[k].numel()) * sizeof(float));
     at += static_cast<size_t>(grads[k].numel());
   }
   uint64_t full = vec_count, sent = vec_count;
@@ -137,7 +138,8 @@ std::vector<std::pair<std::string, Tensor>> PowerSgd::state() const {
 
 void PowerSgd::load_state(const std::vector<std::pair<std::string, Tensor>>& state) {
   for (Matrix& mat : matrices_) {
-    for (auto [prefix, target] : {std::pair<const char*, Tensor*>{"powersgd.q.", &mat.q}, {"powersgd.error.", &mat.error}}) {
+    for (auto [prefix, target] :
+         {std::pair<const char*, Tensor*>{"powersgd.q.", &mat.q}, {"powersgd.error.", &mat.error}}) {
       const std::string name = prefix + std::to_string(mat.index);
       auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
       DT_CHECK(it != state.end() && it->second.shape() == target->shape(), "ddp",

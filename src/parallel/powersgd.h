@@ -38,10 +38,10 @@ class PowerSgd {
 
  private:
   struct Matrix {
-    size_t index;   // into grads
-    int64_t n, m;   // shape (n, m)
-    Tensor q;       // (m, r), warm start
-    Tensor error;   // (n, m)
+    size_t index;  // into grads
+    int64_t n, m;  // shape (n, m)
+    Tensor q;      // (m, r), warm start
+    Tensor error;  // (n, m)
   };
   int rank_;
   std::vector<Matrix> matrices_;
