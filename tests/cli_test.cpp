@@ -524,6 +524,19 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
       << el.output;
   ProcessResult de = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + path("el.dtm"));
   EXPECT_EQ(de.code, 0) << de.output;
+  // The same with a rank that hangs (SIGSTOP) on every start: the heartbeats find it, and it,
+  // not the rank that noticed, is the worker dropped.
+  ::setenv("DTRAIN_FAULT", "stop:rank=3:step=6:attempt=any", 1);
+  ProcessResult hung = dtrain(mlp + " --dp 4 --steps 12 --checkpoint-dir " + path("hung") +
+                              " --checkpoint-every 4 --max-restarts 3 --min-workers 2 --heartbeat-timeout 1 --save " +
+                              path("hung.dtm"), 300);
+  ::unsetenv("DTRAIN_FAULT");
+  ASSERT_EQ(hung.code, 0) << hung.output;
+  EXPECT_NE(hung.output.find("rank 3 sent no heartbeats (stopped or hung): it is the failed worker"), std::string::npos)
+      << hung.output;
+  EXPECT_NE(hung.output.find("continuing with 3 workers"), std::string::npos) << hung.output;
+  ProcessResult dh = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + path("hung.dtm"));
+  EXPECT_EQ(dh.code, 0) << dh.output;
   // Another model (or optimizer, or tensor-parallel size) is refused, naming both, and nothing
   // is trained (or pruned) next to the other run's checkpoints.
   ProcessResult bad = dtrain("train --model mlp --hidden 32 --batch-size 48 --steps 12 --progress=false --checkpoint-dir " +

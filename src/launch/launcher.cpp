@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <fstream>
 #include <memory>
+#include <regex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -128,6 +129,26 @@ std::string flight_summary(const std::string& dir) {
     }
   }
   return out;
+}
+
+// A rank that the heartbeats found silent (stopped, hung), named in a worker's flight record;
+// -1 if none. That rank is the failure, not the worker that noticed and exited first.
+int silent_rank(const std::string& dir) {
+  static const std::regex silent("rank (\\d+) sent no heartbeat");
+  if (DIR* d = ::opendir(dir.c_str())) {
+    int found = -1;
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (!name.starts_with("rank-") || !name.ends_with(".json")) continue;
+      std::ifstream in(dir + "/" + name);
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      std::smatch m;
+      if (std::regex_search(text, m, silent)) found = std::stoi(m[1].str());
+    }
+    ::closedir(d);
+    return found;
+  }
+  return -1;
 }
 
 void remove_directory(const std::string& dir) {
@@ -395,6 +416,15 @@ LaunchResult run_launch(const LaunchOptions& o) {
       }
     }
     if (!flight_dir.empty() && !result.interrupted) {  // an interrupt is not a failure to explain
+      // The first to exit noticed a silent rank: that rank is the one that failed.
+      if (const int hung = silent_rank(flight_dir); hung >= 0) {
+        const bool ours = std::any_of(result.workers.begin(), result.workers.end(),
+                                      [hung](const WorkerExit& w) { return w.rank == hung; });
+        if (ours) {
+          result.first_failed = {hung};
+          result.report += fmt::format("rank {} sent no heartbeats (stopped or hung): it is the failed worker\n", hung);
+        }
+      }
       const std::string summary = flight_summary(flight_dir);
       if (!summary.empty()) {
         result.report += fmt::format("flight records ({}):\n{}", flight_dir, summary);
