@@ -97,8 +97,13 @@ class Cli : public ::testing::Test {
     char tmpl[] = "/tmp/dtrain-cli-XXXXXX";
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
+    // Failed jobs keep their flight records: here, not in /tmp.
+    ::setenv("DTRAIN_FLIGHT_DIR", dir_.c_str(), 1);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override {
+    ::unsetenv("DTRAIN_FLIGHT_DIR");
+    fs::remove_all(dir_);
+  }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
   nlohmann::json final_record(const std::string& metrics) const {
