@@ -30,6 +30,7 @@
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
 #include "dtrain/launch/launcher.h"
+#include "finish.h"
 
 namespace dtrain::launch {
 
@@ -193,15 +194,8 @@ int run_elastic(const LaunchOptions& o) {
     if (r.exit_code == 0) {
       // Node 0 serves the store: it stays until every member's workers finished too.
       store->set("elastic/finished", std::to_string(round));
-      const int64_t done = store->add(key(round, "done"), 1);
-      if (server) {
-        const auto until = Clock::now() + std::chrono::seconds(60);
-        for (int64_t n = done; n < static_cast<int64_t>(m.nodes.size()) && Clock::now() < until;
-             n = store->add(key(round, "done"), 0)) {
-          if (store->try_get(key(round, "failed"))) break;
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling the store
-        }
-      }
+      finish_together(*store, key(round, "done"), static_cast<int64_t>(m.nodes.size()), server != nullptr,
+                      key(round, "failed"));
       say(fmt::format("round {}: the workers finished", round));
       return 0;
     }

@@ -7,11 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <fstream>
 #include <memory>
 #include <regex>
@@ -22,6 +22,7 @@
 
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
+#include "finish.h"
 
 extern char** environ;
 
@@ -73,10 +74,13 @@ std::string describe(const WorkerExit& w) {
                      w.stopped_by_launcher ? " after the launcher stopped it" : "");
 }
 
-// The flight records the workers dumped on their first failure (DTRAIN_FLIGHT_DIR/rank-R.json):
-// for each rank, the operation it was in (or its last one), so the report says who waited on
-// whom. Files that cannot be read are named, not fatal.
-std::string flight_summary(const std::string& dir) {
+// The flight records the workers dumped on their first failure (DTRAIN_FLIGHT_DIR/rank-R.json),
+// in rank order: (path, contents).
+struct FlightRecord {
+  std::string path, text;
+};
+
+std::vector<FlightRecord> read_flight_records(const std::string& dir) {
   std::vector<std::string> files;
   if (DIR* d = ::opendir(dir.c_str())) {
     while (const dirent* e = ::readdir(d)) {
@@ -88,12 +92,22 @@ std::string flight_summary(const std::string& dir) {
   std::sort(files.begin(), files.end(), [](const std::string& a, const std::string& b) {
     return std::strtol(a.c_str() + 5, nullptr, 10) < std::strtol(b.c_str() + 5, nullptr, 10);
   });
-  std::string out;
+  std::vector<FlightRecord> out;
   for (const std::string& name : files) {
-    const std::string path = dir + "/" + name;
+    std::ifstream in(dir + "/" + name);
+    out.push_back({dir + "/" + name, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())});
+  }
+  return out;
+}
+
+// For each rank, the operation it was in (or its last one), so the report says who waited on
+// whom. Records that cannot be parsed are named, not fatal.
+std::string flight_summary(const std::vector<FlightRecord>& records) {
+  std::string out;
+  for (const FlightRecord& record : records) {
+    const std::string& path = record.path;
     try {
-      std::ifstream in(path);
-      const nlohmann::json j = nlohmann::json::parse(in);
+      const nlohmann::json j = nlohmann::json::parse(record.text);
       std::string line;
       for (const auto& g : j.at("groups")) {
         const auto& entries = g.at("entries");
@@ -133,22 +147,14 @@ std::string flight_summary(const std::string& dir) {
 
 // A rank that the heartbeats found silent (stopped, hung), named in a worker's flight record;
 // -1 if none. That rank is the failure, not the worker that noticed and exited first.
-int silent_rank(const std::string& dir) {
+int silent_rank(const std::vector<FlightRecord>& records) {
   static const std::regex silent("rank (\\d+) sent no heartbeat");
-  if (DIR* d = ::opendir(dir.c_str())) {
-    int found = -1;
-    while (const dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (!name.starts_with("rank-") || !name.ends_with(".json")) continue;
-      std::ifstream in(dir + "/" + name);
-      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      std::smatch m;
-      if (std::regex_search(text, m, silent)) found = std::stoi(m[1].str());
-    }
-    ::closedir(d);
-    return found;
+  int found = -1;
+  for (const FlightRecord& record : records) {
+    std::smatch m;
+    if (std::regex_search(record.text, m, silent)) found = std::stoi(m[1].str());
   }
-  return -1;
+  return found;
 }
 
 void remove_directory(const std::string& dir) {
@@ -162,6 +168,16 @@ void remove_directory(const std::string& dir) {
 }
 
 }  // namespace
+
+void finish_together(comm::Store& store, const std::string& done_key, int64_t members, bool wait,
+                     const std::string& stop_key) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (int64_t n = store.add(done_key, 1); wait && n < members && std::chrono::steady_clock::now() < until;
+       n = store.add(done_key, 0)) {
+    if (!stop_key.empty() && store.try_get(stop_key)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling the store
+  }
+}
 
 LaunchResult run_launch(const LaunchOptions& o) {
   DT_CHECK(!o.command.empty(), "launch", "no command to run (usage: dtrain launch -n N -- PROGRAM ARGS...)");
@@ -195,19 +211,15 @@ LaunchResult run_launch(const LaunchOptions& o) {
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
 
-  // Where the workers dump their flight records on a failure: the user's DTRAIN_FLIGHT_DIR,
-  // else a fresh directory removed after a clean run and kept (and named) after a failure.
+  // Where the workers dump their flight records on a failure: a directory of this launch's own
+  // (under the user's DTRAIN_FLIGHT_DIR if set, else /tmp), so the report never shows records
+  // of an earlier start; removed after a clean run, kept (and named) after a failure.
   std::string flight_dir;
-  bool own_flight_dir = false;
-  // A directory of this launch's own (under the user's DTRAIN_FLIGHT_DIR if set), so the report
-  // never shows records of an earlier start.
+  bool keep_flight_dir = false;
   {
     const char* env = std::getenv("DTRAIN_FLIGHT_DIR");
     std::string tmpl = (env != nullptr && *env != '\0' ? std::string(env) : std::string("/tmp")) + "/dtrain-flight-XXXXXX";
-    if (::mkdtemp(tmpl.data()) != nullptr) {
-      flight_dir = tmpl;
-      own_flight_dir = true;
-    }
+    if (::mkdtemp(tmpl.data()) != nullptr) flight_dir = tmpl;
   }
 
   const int world = o.nnodes * o.nproc_per_node;
@@ -416,8 +428,9 @@ LaunchResult run_launch(const LaunchOptions& o) {
       }
     }
     if (!flight_dir.empty() && !result.interrupted) {  // an interrupt is not a failure to explain
+      const std::vector<FlightRecord> records = read_flight_records(flight_dir);
       // The first to exit noticed a silent rank: that rank is the one that failed.
-      if (const int hung = silent_rank(flight_dir); hung >= 0) {
+      if (const int hung = silent_rank(records); hung >= 0) {
         const bool ours = std::any_of(result.workers.begin(), result.workers.end(),
                                       [hung](const WorkerExit& w) { return w.rank == hung; });
         if (ours) {
@@ -425,25 +438,20 @@ LaunchResult run_launch(const LaunchOptions& o) {
           result.report += fmt::format("rank {} sent no heartbeats (stopped or hung): it is the failed worker\n", hung);
         }
       }
-      const std::string summary = flight_summary(flight_dir);
+      const std::string summary = flight_summary(records);
       if (!summary.empty()) {
         result.report += fmt::format("flight records ({}):\n{}", flight_dir, summary);
-        own_flight_dir = false;  // kept for the user
+        keep_flight_dir = true;  // for the user
       }
     }
   }
-  if (own_flight_dir) remove_directory(flight_dir);
+  if (!flight_dir.empty() && !keep_flight_dir) remove_directory(flight_dir);
   // Several nodes: node 0 serves the store, so after a clean run it stays until the other
   // nodes' workers finished too (their heartbeats and last calls still reach the store).
   if (o.nnodes > 1 && o.serve_store && result.exit_code == 0) {
     try {
       auto store = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(port), secret, std::chrono::seconds(10));
-      const int64_t done = store->add("launch/done", 1);
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-      for (int64_t n = done; server && n < o.nnodes && std::chrono::steady_clock::now() < until;
-           n = store->add("launch/done", 0)) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling the store
-      }
+      finish_together(*store, "launch/done", o.nnodes, server != nullptr);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "dtrain launch: node %d could not report its end to the store: %s\n", o.node_rank, e.what());
     }
