@@ -104,8 +104,8 @@ void FlightRecorder::completed(const char* op, uint64_t seq, size_t bytes, int p
 }
 
 void FlightRecorder::ended(uint64_t id, const std::exception_ptr& error) {
-  std::string what = error_text(error);
   if (id == UINT64_MAX) return;
+  std::string what = error_text(error);
   const auto now = Clock::now();
   Lock lock(busy_);
   if (FlightEntry* e = find(id)) {

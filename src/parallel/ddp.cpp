@@ -152,10 +152,10 @@ Compression parse_compression(const std::string& text) {
     }
     return c;
   }
-  const std::string rank = text.size() > 9 ? text.substr(9) : "";
+  const std::string rank = text.starts_with("powersgd:") ? text.substr(9) : "";
   char* end = nullptr;
   const long r = std::strtol(rank.c_str(), &end, 10);
-  DT_CHECK(text[8 % text.size()] == ':' && !rank.empty() && *end == '\0' && r >= 1 && r <= 1024, "ddp",
+  DT_CHECK(!rank.empty() && *end == '\0' && r >= 1 && r <= 1024, "ddp",
            "--compress '{}': expected powersgd:RANK with RANK in [1, 1024], e.g. powersgd:4", text);
   c.powersgd_rank = static_cast<int>(r);
   return c;
@@ -226,7 +226,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
       const auto [bi, offset] = d.where[k];
       grads.push_back(view_of(d.buckets[bi].grad, offset, d.params[k].second.shape()));
     }
-    d.powersgd = std::make_unique<PowerSgd>(compression.powersgd_rank, grads, options.seed);
+    d.powersgd = std::make_unique<PowerSgd>(compression.powersgd_rank, std::move(grads), options.seed);
   }
   // Hooks hold the state weakly: a model that outlives its DataParallel stops syncing.
   std::weak_ptr<Impl> weak = impl_;
@@ -311,12 +311,7 @@ void DataParallel::synchronize() {
   d.group.all_gather(&mine, counts.data(), 1, DataType::i64);
   if (d.powersgd) {
     const auto t0 = comm::Clock::now();
-    std::vector<Tensor> grads;
-    for (size_t k = 0; k < d.params.size(); ++k) {
-      const auto [bi, offset] = d.where[k];
-      grads.push_back(view_of(d.buckets[bi].grad, offset, d.params[k].second.shape()));
-    }
-    d.powersgd->reduce(d.group, grads, &d.volume.wire_bytes, &d.volume.raw_bytes);
+    d.powersgd->reduce(d.group, &d.volume.wire_bytes, &d.volume.raw_bytes);
     if (d.options.record_events) {
       size_t bytes = 0;
       for (const auto& b : d.buckets) bytes += b.count * sizeof(float);
@@ -510,12 +505,9 @@ void DataParallel::load_compression_state(const std::vector<nn::NamedTensor>& st
   if (d.codec == comm::Codec::none) return;
   for (size_t bi = 0; bi < d.buckets.size(); ++bi) {
     Impl::Bucket& b = d.buckets[bi];
-    const std::string name = "ef." + std::to_string(bi);
-    auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
-    DT_CHECK(it != state.end() && it->second.numel() == static_cast<int64_t>(b.padded), "ddp",
-             "compression state has no '{}' of {} elements", name, b.padded);
+    const Tensor& saved = compression_entry(state, "ef." + std::to_string(bi), {static_cast<int64_t>(b.padded)});
     if (!b.residual) b.residual = zeroed_storage(b.padded);
-    std::memcpy(b.residual->data, it->second.data(), b.padded * sizeof(float));
+    std::memcpy(b.residual->data, saved.data(), b.padded * sizeof(float));
   }
 }
 

@@ -40,11 +40,11 @@ void orthonormalize(float* p, int64_t n, int64_t r) {
 
 }  // namespace
 
-PowerSgd::PowerSgd(int rank, const std::vector<Tensor>& grads, uint64_t seed) : rank_(rank) {
+PowerSgd::PowerSgd(int rank, std::vector<Tensor> grads, uint64_t seed) : rank_(rank), grads_(std::move(grads)) {
   DT_CHECK(rank >= 1, "ddp", "powersgd rank {} must be at least 1", rank);
   Generator gen(seed);  // the same on every rank: every rank starts from the same Q
-  for (size_t k = 0; k < grads.size(); ++k) {
-    const Tensor& g = grads[k];
+  for (size_t k = 0; k < grads_.size(); ++k) {
+    const Tensor& g = grads_[k];
     const int64_t r = rank;
     if (g.dim() == 2 && (g.size(0) + g.size(1)) * r < g.size(0) * g.size(1)) {
       Matrix mat{k, g.size(0), g.size(1), Tensor::randn({g.size(1), r}, gen), Tensor::zeros(g.shape())};
@@ -55,8 +55,9 @@ PowerSgd::PowerSgd(int rank, const std::vector<Tensor>& grads, uint64_t seed) : 
   }
 }
 
-void PowerSgd::reduce(comm::Group& group, const std::vector<Tensor>& grads, uint64_t* wire, uint64_t* raw) {
+void PowerSgd::reduce(comm::Group& group, uint64_t* wire, uint64_t* raw) {
   NoGradGuard no_grad;
+  std::vector<Tensor>& grads = grads_;
   const int world = group.size();
   const int64_t r = rank_;
   // The uncompressed ones, in one buffer.
@@ -71,7 +72,7 @@ void PowerSgd::reduce(comm::Group& group, const std::vector<Tensor>& grads, uint
   if (vec_count > 0) group.all_reduce(vec.data(), vec.data(), vec_count, comm::DataType::f32, comm::ReduceOp::avg);
   at = 0;
   for (size_t k : vectors_) {
-    std::memcpy(const_cast<float*>(grads[k].data()), vec.data() + at,
+    std::memcpy(grads[k].data(), vec.data() + at,
                 static_cast<size_t>(grads[k].numel()) * sizeof(float));
     at += static_cast<size_t>(grads[k].numel());
   }
@@ -120,15 +121,15 @@ void PowerSgd::reduce(comm::Group& group, const std::vector<Tensor>& grads, uint
     qat += static_cast<size_t>(mat.m * r);
     const Tensor approx = ops::matmul(pts[i], mat.q.transpose(0, 1));
     mat.error.copy_from(ops::sub(ms[i], approx));
-    std::memcpy(const_cast<float*>(grads[mat.index].data()), approx.data(),
+    std::memcpy(grads[mat.index].data(), approx.data(),
                 static_cast<size_t>(mat.n * mat.m) * sizeof(float));
   }
   if (wire) *wire += all_reduce_bytes(sent, world);
   if (raw) *raw += all_reduce_bytes(full, world);
 }
 
-std::vector<std::pair<std::string, Tensor>> PowerSgd::state() const {
-  std::vector<std::pair<std::string, Tensor>> out;
+std::vector<nn::NamedTensor> PowerSgd::state() const {
+  std::vector<nn::NamedTensor> out;
   for (const Matrix& mat : matrices_) {
     out.emplace_back("powersgd.q." + std::to_string(mat.index), mat.q.clone());
     out.emplace_back("powersgd.error." + std::to_string(mat.index), mat.error.clone());
@@ -136,17 +137,21 @@ std::vector<std::pair<std::string, Tensor>> PowerSgd::state() const {
   return out;
 }
 
-void PowerSgd::load_state(const std::vector<std::pair<std::string, Tensor>>& state) {
+void PowerSgd::load_state(const std::vector<nn::NamedTensor>& state) {
   for (Matrix& mat : matrices_) {
     for (auto [prefix, target] :
          {std::pair<const char*, Tensor*>{"powersgd.q.", &mat.q}, {"powersgd.error.", &mat.error}}) {
-      const std::string name = prefix + std::to_string(mat.index);
-      auto it = std::find_if(state.begin(), state.end(), [&](const auto& e) { return e.first == name; });
-      DT_CHECK(it != state.end() && it->second.shape() == target->shape(), "ddp",
-               "compression state has no '{}' of shape {}", name, shape_str(target->shape()));
-      target->copy_from(it->second);
+      target->copy_from(compression_entry(state, prefix + std::to_string(mat.index), target->shape()));
     }
   }
+}
+
+const Tensor& compression_entry(const std::vector<nn::NamedTensor>& state, const std::string& name,
+                                const Shape& shape) {
+  auto it = std::find_if(state.begin(), state.end(), [&](const nn::NamedTensor& e) { return e.first == name; });
+  DT_CHECK(it != state.end() && it->second.shape() == shape, "ddp", "compression state has no '{}' of shape {}", name,
+           shape_str(shape));
+  return it->second;
 }
 
 }  // namespace dtrain::parallel

@@ -18,23 +18,24 @@
 #include <vector>
 
 #include "dtrain/comm/group.h"
+#include "dtrain/nn/module.h"
 #include "dtrain/tensor/tensor.h"
 
 namespace dtrain::parallel {
 
 class PowerSgd {
  public:
-  /// `grads`: views of every parameter's gradient buffer (shapes as the parameters).
-  PowerSgd(int rank, const std::vector<Tensor>& grads, uint64_t seed);
-  /// Replaces every gradient in `grads` (same tensors as at construction, holding this rank's
-  /// gradients) by the averaged approximation. Adds to *wire and *raw the bytes this rank sent
-  /// and what the f32 exchange of the same gradients would have sent (ring all_reduce volume).
-  void reduce(comm::Group& group, const std::vector<Tensor>& grads, uint64_t* wire, uint64_t* raw);
-  int rank() const { return rank_; }
+  /// `grads`: views of every parameter's gradient buffer (shapes as the parameters), kept:
+  /// the buffers must outlive this object.
+  PowerSgd(int rank, std::vector<Tensor> grads, uint64_t seed);
+  /// Replaces every gradient (holding this rank's) by the averaged approximation. Adds to
+  /// *wire and *raw the bytes this rank sent and what the f32 exchange of the same gradients
+  /// would have sent (ring all_reduce volume).
+  void reduce(comm::Group& group, uint64_t* wire, uint64_t* raw);
   /// Q and the error of every matrix: "powersgd.q.K", "powersgd.error.K" (K: index in grads).
-  std::vector<std::pair<std::string, Tensor>> state() const;
+  std::vector<nn::NamedTensor> state() const;
   /// Restores state(); throws naming a missing or misshapen entry.
-  void load_state(const std::vector<std::pair<std::string, Tensor>>& state);
+  void load_state(const std::vector<nn::NamedTensor>& state);
 
  private:
   struct Matrix {
@@ -44,8 +45,14 @@ class PowerSgd {
     Tensor error;  // (n, m)
   };
   int rank_;
+  std::vector<Tensor> grads_;
   std::vector<Matrix> matrices_;
   std::vector<size_t> vectors_;  // grads averaged as they are
 };
+
+/// The entry `name` of a saved compression state, checked against `shape`; throws naming a
+/// missing or misshapen entry.
+const Tensor& compression_entry(const std::vector<nn::NamedTensor>& state, const std::string& name,
+                                const Shape& shape);
 
 }  // namespace dtrain::parallel

@@ -663,7 +663,6 @@ TrainResult run_training(const TrainConfig& requested) {
   TrainResult result;
   double train_time = 0.0, compute_time = 0.0, comm_time = 0.0, wait_time = 0.0;
   uint64_t wire_bytes = 0, raw_bytes = 0;  // gradient bytes this rank sent, and what f32 would have sent
-  int64_t synced_steps = 0;
   double interval_loss = 0.0;
   int64_t interval_steps = 0;
   std::vector<int64_t> epoch_indices;
@@ -738,7 +737,6 @@ TrainResult run_training(const TrainConfig& requested) {
       const parallel::CommVolume v = ddp->take_comm_volume();
       wire_bytes += v.wire_bytes;
       raw_bytes += v.raw_bytes;
-      ++synced_steps;
     }
     const auto to = Clock::now();
     wait_time += seconds_since(ts, to);
@@ -864,6 +862,8 @@ TrainResult run_training(const TrainConfig& requested) {
     final_record["comm_s"] = comm_time;
     // Gradient bytes per step that this rank sent, what f32 would have sent, and their ratio.
     final_record["compress"] = cfg.compress;
+    // Every step this process ran synchronised once.
+    const int64_t synced_steps = total_steps - start_step;
     final_record["wire_bytes_per_step"] = synced_steps > 0 ? static_cast<double>(wire_bytes) / synced_steps : 0.0;
     final_record["f32_bytes_per_step"] = synced_steps > 0 ? static_cast<double>(raw_bytes) / synced_steps : 0.0;
     final_record["compression_ratio"] = wire_bytes > 0 ? static_cast<double>(raw_bytes) / wire_bytes : 1.0;
