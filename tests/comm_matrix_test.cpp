@@ -296,6 +296,77 @@ TEST_P(CollectiveMatrix, FloatSumWithinBoundAndIdenticalOnEveryRank) {
   }
 }
 
+// Hierarchical all_reduce: ranks as threads on simulated hosts (GroupOptions::host_id), shm
+// within a host and tcp over loopback between hosts. Rank r is on host r % hosts, so the
+// hosts' ranks interleave. Every dtype and op, in and out of place, counts that do not divide
+// by the ranks per host; a shape without equal hosts of 2 or more ranks runs flat, and must
+// be just as right.
+struct HierParam {
+  int hosts;
+  int per_host;  // 0: uneven, host 0 has one rank more
+};
+
+class HierarchicalAllReduce : public ::testing::TestWithParam<HierParam> {};
+
+TEST_P(HierarchicalAllReduce, EveryDtypeAndOpIsExactOnEveryRank) {
+  const auto [hosts, per_host] = GetParam();
+  const int p = per_host > 0 ? hosts * per_host : 2 * hosts + 1;
+  const bool shaped = per_host >= 2 && hosts >= 2;
+  run_ranks(
+      p,
+      [&](Group& g) {
+        const int r = g.rank();
+        EXPECT_EQ(g.transport_kind(), "tcp");
+        EXPECT_EQ(g.all_reduce_algorithm(4096), shaped ? Algorithm::hierarchical : Algorithm::recursive_doubling);
+        for (DataType t : kTypes) {
+          for (ReduceOp op : kOps) {
+            for (size_t n : counts_for(t)) {
+              if (n > 4099 && op != ReduceOp::sum && op != ReduceOp::max) continue;
+              for (bool in_place : {false, true}) {
+                auto send = buffer(n, t), recv = buffer(n, t);
+                for (size_t i = 0; i < n; ++i) put(send, i, t, input(op, r, p, i));
+                g.all_reduce(send.data(), in_place ? send.data() : recv.data(), n, t, op);
+                const auto& out = in_place ? send : recv;
+                for (size_t i = 0; i < n; ++i) {
+                  EXPECT_ELEMENT(get(out, i, t), expected(op, p, i),
+                                 fmt::format("hier all_reduce {} {} n={} {} rank {}", name_of(t), name_of(op), n,
+                                             in_place ? "in place" : "out of place", r));
+                }
+              }
+            }
+          }
+        }
+        // The asynchronous form, and the float sum identical on every rank.
+        std::vector<float> x(100003), y(x.size());
+        std::mt19937 rng(static_cast<unsigned>(r));
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        for (float& v : x) v = u(rng);
+        g.all_reduce_async(x.data(), y.data(), x.size(), DataType::f32, ReduceOp::sum).wait();
+        std::vector<float> all(y.size() * static_cast<size_t>(p));
+        g.all_gather(y.data(), all.data(), y.size(), DataType::f32);
+        for (int q = 1; q < p; ++q) {
+          ASSERT_EQ(0, std::memcmp(all.data(), all.data() + y.size() * static_cast<size_t>(q), y.size() * sizeof(float)))
+              << "rank " << q << " holds another float sum than rank 0";
+        }
+      },
+      [&](int r) {
+        GroupOptions o;
+        o.timeout = std::chrono::seconds(60);
+        o.secret = "hier-test-secret";
+        o.host_id = fmt::format("host{}", r % hosts);
+        return o;
+      });
+}
+
+INSTANTIATE_TEST_SUITE_P(Hosts, HierarchicalAllReduce,
+                         ::testing::Values(HierParam{2, 2}, HierParam{3, 2}, HierParam{2, 3}, HierParam{4, 2},
+                                           HierParam{2, 0}),
+                         [](const ::testing::TestParamInfo<HierParam>& info) {
+                           return info.param.per_host > 0
+                                      ? fmt::format("hosts{}x{}", info.param.hosts, info.param.per_host)
+                                      : fmt::format("hosts{}_uneven", info.param.hosts);
+                         });
+
 std::vector<Param> params() {
   std::vector<Param> out;
   for (int w = 1; w <= 8; ++w) {

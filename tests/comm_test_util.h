@@ -20,9 +20,10 @@ inline GroupOptions quick_options() {
   return o;
 }
 
-// Runs fn(group) on `size` threads, each joining one new group through one in-memory store;
-// rethrows the first failure (in rank order) on the calling thread.
-inline void run_ranks(int size, const std::function<void(Group&)>& fn, const GroupOptions& opts = {}) {
+// Runs fn(group) on `size` threads, each joining one new group through one in-memory store
+// with options_of(rank); rethrows the first failure (in rank order) on the calling thread.
+inline void run_ranks(int size, const std::function<void(Group&)>& fn,
+                      const std::function<GroupOptions(int rank)>& options_of) {
   auto store = make_memory_store();
   static std::atomic<int> job{0};
   const std::string name = "test" + std::to_string(job++);
@@ -31,7 +32,7 @@ inline void run_ranks(int size, const std::function<void(Group&)>& fn, const Gro
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       try {
-        Group g = Group::create(store, r, size, opts, name);
+        Group g = Group::create(store, r, size, options_of(r), name);
         fn(g);
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
@@ -42,6 +43,11 @@ inline void run_ranks(int size, const std::function<void(Group&)>& fn, const Gro
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+// The same, every rank with the same options.
+inline void run_ranks(int size, const std::function<void(Group&)>& fn, const GroupOptions& opts = {}) {
+  run_ranks(size, fn, [&](int) { return opts; });
 }
 
 }  // namespace dtrain::comm::test_util

@@ -5,8 +5,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <functional>
@@ -18,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/comm/plan.h"
+#include "dtrain/comm/reduce.h"
 #include "dtrain/comm/transport.h"
 #include "compress_collectives.h"
 #include "dtrain/core/log.h"
@@ -113,6 +116,19 @@ struct Group::Impl {
   std::shared_ptr<health::FlightRecorder> recorder;
   std::unique_ptr<health::Heartbeat> heartbeat;
   std::shared_ptr<health::Registration> registration;
+
+  // A group spanning `hosts` hosts with `local_size` >= 2 ranks on each (see group.h): this
+  // rank is `local_rank` on host `host` (hosts numbered in order of their lowest rank). The
+  // two sub-groups are created by the first hierarchical all_reduce, which every rank issues
+  // at the same point; only the thread running the group's operations touches them.
+  struct Hierarchy {
+    int hosts = 0, host = 0, local_size = 0, local_rank = 0;
+    Group local;  // the ranks of this host (shm)
+    Group cross;  // the ranks of the same local_rank on every host (tcp)
+    std::vector<uint8_t> padded;  // count rounded up to a multiple of local_size, when it is not one
+    std::vector<uint8_t> piece;   // this rank's 1/local_size of the vector
+  };
+  std::optional<Hierarchy> hierarchy;
 
   ~Impl() {
     registration.reset();  // no abort_all() reaches a group being torn down
@@ -370,14 +386,71 @@ struct Group::Impl {
     return true;
   }
 
-  // The transport's native collectives when the algorithm is auto or direct and it has them.
+  // The transport's native collectives when the algorithm is auto or direct (or hier, which
+  // a one-host group runs as auto) and it has them.
   DirectCollectives* direct_for(Algorithm requested) const {
-    if (requested != Algorithm::automatic && requested != Algorithm::direct) return nullptr;
+    if (requested != Algorithm::automatic && requested != Algorithm::direct &&
+        requested != Algorithm::hierarchical) {
+      return nullptr;
+    }
     return transport->direct();
   }
 
+  // The plan algorithm for all_reduce of `bytes` bytes when neither direct nor hier runs.
   Algorithm algorithm_for(size_t bytes) const {
-    return options.algorithm == Algorithm::automatic ? choose_all_reduce(bytes, size) : options.algorithm;
+    const Algorithm a = options.algorithm;
+    return a == Algorithm::automatic || a == Algorithm::hierarchical ? choose_all_reduce(bytes, size) : a;
+  }
+
+  // Whether all_reduce of `bytes` bytes runs hierarchically: on a group of that shape, when
+  // asked to or when the algorithm is auto. On the 4-host test cluster (bench/netns_cluster.py)
+  // it beat the flat algorithms at every size, so auto takes it from the first byte.
+  bool hierarchical_for(size_t /*bytes*/) const {
+    if (!hierarchy) return false;
+    return options.algorithm == Algorithm::automatic || options.algorithm == Algorithm::hierarchical;
+  }
+
+  void ensure_hierarchy_groups() {
+    Hierarchy& h = *hierarchy;
+    if (h.local.size() > 0) return;
+    GroupOptions sub = options;
+    sub.heartbeat_timeout = Duration::zero();  // this group's processes are covered already
+    sub.heartbeat_store = nullptr;
+    sub.transport = "shm";
+    sub.algorithm = Algorithm::direct;
+    h.local = Group::create(store, h.local_rank, h.local_size, sub, fmt::format("{}/hier/host{}", name, h.host));
+    sub.transport = "tcp";
+    sub.algorithm = Algorithm::automatic;
+    h.cross = Group::create(store, h.host, h.hosts, sub, fmt::format("{}/hier/local{}", name, h.local_rank));
+  }
+
+  // reduce_scatter within the host, all_reduce across hosts, all_gather within the host.
+  // Every rank ends with the same bytes: piece q is reduced by the same ring on every host,
+  // and every rank gathers the same pieces. avg sums and divides once at the end.
+  void hierarchical_all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
+    ensure_hierarchy_groups();
+    Hierarchy& h = *hierarchy;
+    const ReduceOp inner = op == ReduceOp::avg ? ReduceOp::sum : op;
+    const size_t es = size_of(dtype);
+    const auto l = static_cast<size_t>(h.local_size);
+    const size_t block = (count + l - 1) / l;
+    const bool pad = block * l != count;
+    const void* in = send;
+    if (pad) {
+      h.padded.assign(block * l * es, 0);
+      if (count > 0) std::memcpy(h.padded.data(), send, count * es);
+      in = h.padded.data();
+    }
+    h.piece.resize(std::max<size_t>(block * es, 1));
+    h.local.reduce_scatter(in, h.piece.data(), block, dtype, inner);
+    h.cross.all_reduce(h.piece.data(), h.piece.data(), block, dtype, inner);
+    if (pad) {
+      h.local.all_gather(h.piece.data(), h.padded.data(), block, dtype);
+      if (count > 0) std::memcpy(recv, h.padded.data(), count * es);
+    } else {
+      h.local.all_gather(h.piece.data(), recv, block, dtype);
+    }
+    finish_avg(recv, count, dtype, op, size);
   }
 
   Work run_plan(const std::string& op, Plan plan, const void* in, void* out, DataType dtype, ReduceOp rop,
@@ -425,7 +498,8 @@ struct Group::Impl {
 
 namespace {
 
-std::string host_identity() {
+std::string host_identity(const GroupOptions& options) {
+  if (!options.host_id.empty()) return options.host_id;
   if (const char* id = std::getenv("DTRAIN_HOST_ID")) return id;
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
@@ -496,11 +570,19 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
   impl->store = store;
 
   // Which transport: shared memory when every rank runs on this host, TCP otherwise.
-  const std::string me = host_identity();
+  const std::string me = host_identity(options);
   store->set(fmt::format("{}/host/{}", name, rank), me);
   bool same_host = true;
+  std::vector<std::string> hosts;         // in order of their lowest rank
+  std::vector<int> ranks_on(size, 0), host_of(size, 0), local_rank_of(size, 0);
   for (int r = 0; r < size; ++r) {
-    if (store->get(fmt::format("{}/host/{}", name, r), options.timeout) != me) same_host = false;
+    const std::string id = store->get(fmt::format("{}/host/{}", name, r), options.timeout);
+    if (id != me) same_host = false;
+    const auto it = std::find(hosts.begin(), hosts.end(), id);
+    const int h = static_cast<int>(it - hosts.begin());
+    if (it == hosts.end()) hosts.push_back(id);
+    host_of[r] = h;
+    local_rank_of[r] = ranks_on[h]++;
   }
   const std::string kind = choose_transport(options.transport, same_host);
   DT_CHECK(!(kind == "shm" && !same_host), "comm", "group '{}': transport shm needs every rank on one host", name);
@@ -516,11 +598,21 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
     DT_CHECK(!secret.empty(), "comm",
              "group '{}': the tcp transport needs the job secret (GroupOptions::secret or DTRAIN_SECRET)", name);
     const std::string bind = options.bind_address.empty() ? "127.0.0.1" : options.bind_address;
-    DT_CHECK(same_host || !is_loopback(bind), "comm",
+    DT_CHECK(same_host || !is_loopback(bind) || !options.host_id.empty(), "comm",
              "group '{}': ranks span several hosts but rank {} would publish the loopback address {}; set "
              "GroupOptions::bind_address (or DTRAIN_BIND_ADDR) to an address the other hosts can reach",
              name, rank, bind);
     impl->transport = make_tcp_transport(*store, name, rank, size, secret, bind, options.timeout);
+    const int n_hosts = static_cast<int>(hosts.size());
+    const bool uniform = std::all_of(ranks_on.begin(), ranks_on.begin() + n_hosts,
+                                     [&](int k) { return k == ranks_on[0]; });
+    if (n_hosts >= 2 && uniform && ranks_on[0] >= 2) {
+      impl->hierarchy.emplace();
+      impl->hierarchy->hosts = n_hosts;
+      impl->hierarchy->host = host_of[rank];
+      impl->hierarchy->local_size = ranks_on[0];
+      impl->hierarchy->local_rank = local_rank_of[rank];
+    }
   }
   DT_CHECK(options.algorithm != Algorithm::direct || impl->transport->direct() != nullptr, "comm",
            "group '{}': algorithm 'direct' needs a transport with native collectives (shm), not {}", name,
@@ -603,12 +695,17 @@ Group Group::split(int color, int key) const {
 
 Algorithm Group::all_reduce_algorithm(size_t bytes) const {
   const Impl& g = impl("all_reduce_algorithm");
-  return g.direct_for(g.options.algorithm) != nullptr ? Algorithm::direct : g.algorithm_for(bytes);
+  if (g.direct_for(g.options.algorithm) != nullptr) return Algorithm::direct;
+  return g.hierarchical_for(bytes) ? Algorithm::hierarchical : g.algorithm_for(bytes);
 }
 
 Group Group::split(int color, int key, const GroupOptions& requested) const {
   DT_CHECK(impl_ != nullptr, "comm", "split on an empty group");
   GroupOptions options = requested;
+  // Where this process listens, its secret and its host are the parent's unless set.
+  if (options.bind_address.empty()) options.bind_address = impl_->options.bind_address;
+  if (options.secret.empty()) options.secret = impl_->options.secret;
+  if (options.host_id.empty()) options.host_id = impl_->options.host_id;
   options.heartbeat_timeout = Duration::zero();  // the parent's heartbeat covers these processes
   options.heartbeat_store = nullptr;
   const int n = size();
@@ -639,6 +736,15 @@ namespace {
 using Impl = Group::Impl;
 
 Work all_reduce_impl(Impl& g, const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, bool blocking) {
+  if (g.hierarchical_for(count * size_of(dtype))) {
+    return g.dispatch(
+        "all_reduce", true, blocking,
+        [&g, send, recv, count, dtype, op](uint64_t, Deadline) {
+          g.hierarchical_all_reduce(send, recv, count, dtype, op);
+          return true;
+        },
+        count * size_of(dtype));
+  }
   if (g.direct_for(g.options.algorithm) != nullptr) {
     return g.run_direct("all_reduce", blocking, [=](DirectCollectives& d, Deadline deadline) {
       d.all_reduce(send, recv, count, dtype, op, deadline);

@@ -47,7 +47,8 @@ namespace {
 
 constexpr Algorithm kAllAlgorithms[] = {
     Algorithm::automatic, Algorithm::ring,   Algorithm::halving_doubling, Algorithm::recursive_doubling,
-    Algorithm::binomial,  Algorithm::linear, Algorithm::pairwise,         Algorithm::direct};
+    Algorithm::binomial,  Algorithm::linear, Algorithm::pairwise,         Algorithm::direct,
+    Algorithm::hierarchical};
 
 // Measured crossover points for choose_all_reduce, in bytes per rank. Placeholders from the
 // cost model (recursive doubling pays lg(p) * n in bandwidth, halving-doubling has 2 lg(p)
@@ -105,6 +106,8 @@ const char* name_of(Algorithm a) {
       return "pairwise";
     case Algorithm::direct:
       return "direct";
+    case Algorithm::hierarchical:
+      return "hier";
   }
   return "?";
 }

@@ -11,8 +11,14 @@
 // must issue the same collectives on a group in the same order.
 //
 // Algorithms: on one host all_reduce, reduce_scatter, all_gather, broadcast and barrier run
-// the shm transport's direct collectives (reduced straight from shared staging buffers);
-// GroupOptions::algorithm or DTRAIN_ALGO=ring|hd|rd|direct overrides the choice.
+// the shm transport's direct collectives (reduced straight from shared staging buffers).
+// A group whose ranks span two or more hosts, with the same number L >= 2 of ranks on each,
+// runs all_reduce hierarchically: reduce_scatter within each host (shm), all_reduce of each
+// rank's 1/L piece with the ranks of the same local index on the other hosts (tcp), then
+// all_gather within the host; each host's link carries 2(H-1)/H of the vector instead of the
+// flat ring's 2(P-1)/P, in 2(H-1) instead of 2(P-1) steps. Its two sub-groups are created by
+// the first such all_reduce. GroupOptions::algorithm or DTRAIN_ALGO=ring|hd|rd|direct|hier
+// overrides the choice ("hier" on a group without that shape runs as "auto").
 //
 // Buffers: counts are elements of `dtype`; send and recv may be the same pointer (in place)
 // except where noted. Buffers passed to an _async call must stay valid until its Work
@@ -52,6 +58,11 @@ struct GroupOptions {
   Algorithm algorithm = Algorithm::automatic;  // overrides the per-size choice (also DTRAIN_ALGO)
   std::string bind_address;                    // tcp: address to listen on and publish; "" = 127.0.0.1
   std::string secret;                          // tcp: the job secret; "" = DTRAIN_SECRET
+  /// Which host this rank is on, as far as transports and the hierarchy go: ranks with equal
+  /// ids share memory. "" = DTRAIN_HOST_ID if set, else the host name and boot id. Tests set
+  /// it to run several "hosts" as threads of one process; a group with it set may then use
+  /// loopback addresses between its hosts.
+  std::string host_id;
   /// shm: a blocking wait spins at least this long before it sleeps on a futex (0: a few
   /// microseconds). Longer spins cut the wake-up latency of a message that arrives after a
   /// long wait (pipeline stages), at the price of a busy core: use it only when every rank on
@@ -130,11 +141,12 @@ class Group {
   /// Collective: ranks with the same color form a sub-group ordered by (key, rank). A
   /// negative color returns an empty Group (size 0) for that rank.
   Group split(int color, int key) const;
-  /// The same, with its own options (e.g. another algorithm or timeout) for the sub-group.
+  /// The same, with its own options (e.g. another algorithm or timeout) for the sub-group;
+  /// an empty bind_address, secret or host_id is the parent's.
   Group split(int color, int key, const GroupOptions& options) const;
   /// The last operations of this group, oldest first (see FlightEntry).
   std::vector<FlightEntry> flight_record() const;
-  /// What all_reduce of `bytes` bytes runs on this group: direct, ring, hd or rd.
+  /// What all_reduce of `bytes` bytes runs on this group: direct, hier, ring, hd or rd.
   Algorithm all_reduce_algorithm(size_t bytes) const;
 
   void all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op);

@@ -62,9 +62,12 @@ enum class Algorithm : uint8_t {
   pairwise,           // all_to_all: p-1 rounds of pairwise exchange
   direct,             // the transport's native collective (shm: straight from shared staging
                       // buffers); not a plan: Group runs it through Transport::direct()
+  hierarchical,       // all_reduce of a group spanning hosts: reduce_scatter within each host
+                      // (shm), all_reduce of each 1/L piece across hosts, all_gather within the
+                      // host; not a plan: Group composes it from two sub-groups
 };
 const char* name_of(Algorithm a);
-/// "auto", "ring", "hd", "rd", "tree", "linear", "pairwise", "direct"; throws dtrain::Error.
+/// "auto", "ring", "hd", "rd", "tree", "linear", "pairwise", "direct", "hier"; throws dtrain::Error.
 Algorithm parse_algorithm(const std::string& text);
 
 /// Plans of the collectives for `rank` of `size`. Counts are elements. For the "v" forms,
