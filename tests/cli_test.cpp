@@ -631,6 +631,42 @@ TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
   }
 }
 
+// The MPI backend: the same training started by mpirun instead of dtrain's launcher; DP with
+// ZeRO and AdamW, DP x PP and DP x TP GPT. MPI reduces in another order than shm, so the
+// comparison has the same-math tolerance (1e-5), not bitwise.
+TEST_F(Cli, MpirunTrainsLikeTheLauncher) {
+#ifndef DTRAIN_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  const std::string gpt = "--model gpt --data text:" + path("corpus.txt") +
+                          " --layers 2 --width 32 --heads 4 --seq-len 16 --batch-size 8 --steps 6";
+  std::string corpus;
+  for (int i = 0; i < 400; ++i) corpus += "the quick brown fox jumps over the lazy dog " + std::to_string(i) + "\n";
+  write("corpus.txt", corpus);
+  const std::vector<std::string> jobs = {
+      "--model mlp --hidden 64,32 --batch-size 64 --steps 12 --dp 4 --zero 1 --optimizer adamw",
+      "--model mlp --hidden 64,32 --batch-size 64 --steps 12 --dp 2 --pp 2 --micro-batches 2",
+      gpt + " --dp 2 --tp 2"};
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    const std::string ref = path("ref" + std::to_string(k) + ".dtm"), mpi = path("mpi" + std::to_string(k) + ".dtm");
+    ProcessResult r = dtrain("train " + jobs[k] + " --progress=false --save " + ref);
+    ASSERT_EQ(r.code, 0) << jobs[k] << ": " << r.output;
+    const ProcessResult m = run_shell("timeout -k 5 240 " + std::string(DTRAIN_MPIRUN) + " -np 4 " + DTRAIN_BINARY +
+                                      " train --backend mpi " + jobs[k] + " --progress=false --save " + mpi + " 2>&1");
+    ASSERT_EQ(m.code, 0) << jobs[k] << ": " << m.output;
+    EXPECT_NE(m.output.find("saved " + mpi), std::string::npos) << m.output;
+    ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + ref + " " + mpi);
+    EXPECT_EQ(d.code, 0) << jobs[k] << ": " << d.output;
+  }
+  // A world of the wrong size is named, and every rank ends (MPI_Abort), not only the one.
+  const ProcessResult bad = run_shell("timeout -k 5 120 " + std::string(DTRAIN_MPIRUN) + " -np 3 " + DTRAIN_BINARY +
+                                      " train --backend mpi --model mlp --hidden 16 --batch-size 12 --steps 2 --dp 4 "
+                                      "--progress=false 2>&1");
+  EXPECT_NE(bad.code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("but the MPI job (mpirun -np) started 3"), std::string::npos) << bad.output;
+#endif
+}
+
 TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
   ProcessResult r = dtrain("launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "
                            "${#DTRAIN_SECRET} $MASTER_ADDR'",

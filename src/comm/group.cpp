@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "dtrain/comm/mpi.h"
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/reduce.h"
 #include "dtrain/comm/transport.h"
@@ -518,6 +519,14 @@ int env_int(const char* var) {
   return static_cast<int>(x);
 }
 
+// The first of `vars` set in the environment (the first name when none is, for the error).
+const char* first_set(std::initializer_list<const char*> vars) {
+  for (const char* v : vars) {
+    if (const char* x = std::getenv(v); x != nullptr && *x != '\0') return v;
+  }
+  return *vars.begin();
+}
+
 // options.transport, or DTRAIN_TRANSPORT while it is "auto", with "auto" resolved.
 std::string choose_transport(const std::string& option, bool same_host) {
   std::string kind = option;
@@ -527,8 +536,8 @@ std::string choose_transport(const std::string& option, bool same_host) {
     DT_CHECK(kind == "auto" || kind == "shm" || kind == "tcp", "comm",
              "DTRAIN_TRANSPORT='{}': expected auto, shm or tcp", kind);
   }
-  DT_CHECK(kind == "auto" || kind == "shm" || kind == "tcp", "comm", "transport '{}': expected auto, shm or tcp",
-           option);
+  DT_CHECK(kind == "auto" || kind == "shm" || kind == "tcp" || kind == "mpi", "comm",
+           "transport '{}': expected auto, shm, tcp or mpi", option);
   if (kind == "auto") kind = same_host ? "shm" : "tcp";
   return kind;
 }
@@ -589,6 +598,8 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
   check_same_choice(*store, name, rank, size, kind, options.timeout);
   if (kind == "shm") {
     impl->transport = make_shm_transport(*store, name, rank, size, options.timeout, options.spin);
+  } else if (kind == "mpi") {
+    impl->transport = make_mpi_transport(*store, name, rank, size, options.timeout);
   } else {
     std::string secret = options.secret;
     if (secret.empty()) {
@@ -635,8 +646,8 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
 }
 
 Group Group::from_env(GroupOptions options) {
-  const int rank = env_int("RANK");
-  const int size = env_int("WORLD_SIZE");
+  const int rank = env_int(first_set({"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"}));
+  const int size = env_int(first_set({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}));
   const char* addr = std::getenv("MASTER_ADDR");
   const char* secret = std::getenv("DTRAIN_SECRET");
   DT_CHECK(addr != nullptr && *addr != '\0', "comm", "environment variable MASTER_ADDR is not set");
@@ -673,6 +684,47 @@ Group Group::from_env(GroupOptions options) {
   const char* run = std::getenv("DTRAIN_RUN_ID");
   const std::string name = run != nullptr && *run != '\0' ? fmt::format("world@{}", run) : "world";
   Group g = create(store, rank, size, options, name);
+  g.impl_->keep_alive = server;
+  return g;
+}
+
+Group Group::from_mpi(GroupOptions options) {
+  const MpiWorld world = mpi_world();
+  // The store (splits, heartbeats, checks) is served by rank 0; its address and a fresh secret
+  // reach the others through MPI itself.
+  std::shared_ptr<TcpStoreServer> server;
+  std::string contact;
+  if (world.rank == 0) {
+    const char* master = std::getenv("MASTER_ADDR");
+    std::string host = master != nullptr && *master != '\0' ? master : "";
+    std::string bind = host;
+    if (host.empty()) {
+      if (world.one_host) {
+        host = bind = "127.0.0.1";
+      } else {
+        char name[256] = {};
+        ::gethostname(name, sizeof(name) - 1);
+        host = name;
+        bind = "0.0.0.0";
+      }
+    }
+    const std::string secret = make_secret();
+    server = std::make_shared<TcpStoreServer>(bind, 0, secret);
+    contact = fmt::format("{}\n{}\n{}", host, server->port(), secret);
+  }
+  contact = mpi_broadcast_from_root(contact);
+  const size_t a = contact.find('\n'), b = contact.rfind('\n');
+  DT_CHECK(a != std::string::npos && b != a, "comm", "from_mpi: malformed store contact from rank 0");
+  const std::string host = contact.substr(0, a);
+  const auto port = static_cast<uint16_t>(std::stoi(contact.substr(a + 1, b - a - 1)));
+  const std::string secret = contact.substr(b + 1);
+  auto store = connect_tcp_store(host, port, secret, options.timeout);
+  if (options.heartbeat_timeout > Duration::zero() && !options.heartbeat_store) {
+    options.heartbeat_store = connect_tcp_store(host, port, secret, std::max(options.heartbeat_timeout, Duration(1000)));
+  }
+  options.transport = "mpi";
+  options.secret = secret;
+  Group g = create(store, world.rank, world.size, options, "world");
   g.impl_->keep_alive = server;
   return g;
 }

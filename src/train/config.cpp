@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <toml++/toml.h>
 
+#include "dtrain/comm/mpi.h"
 #include "dtrain/core/error.h"
 
 namespace dtrain::train {
@@ -78,6 +79,9 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
        "elastic: when a worker fails on two starts in a row, go on with fewer data-parallel replicas as long as "
        "this many processes remain (0 = never; global batch kept)"},
       {"timeout", &c.timeout, "seconds a collective or point-to-point call waits for its peers before it fails"},
+      {"backend", &c.backend,
+       "communication: auto (shared memory on one host, TCP between hosts) | shm | tcp | mpi (a job started by "
+       "mpirun or srun: one process per rank, no dtrain launcher)"},
       {"heartbeat-timeout", &c.heartbeat_timeout,
        "seconds without a rank's heartbeat (dead, stopped, unreachable) before every rank stops with a report (0 = "
        "off)"},
@@ -261,6 +265,13 @@ void finalize(TrainConfig& c) {
            c.max_restarts);
   DT_CHECK(c.checkpoint_every == 0 || !c.checkpoint_dir.empty(), "config",
            "--checkpoint-every {} needs --checkpoint-dir", c.checkpoint_every);
+  DT_CHECK(c.backend == "auto" || c.backend == "shm" || c.backend == "tcp" || c.backend == "mpi", "config",
+           "--backend '{}': expected auto, shm, tcp or mpi", c.backend);
+  DT_CHECK(c.backend != "mpi" || comm::mpi_built(), "config",
+           "--backend mpi: dtrain was not built with MPI (scripts/install-deps installs Open MPI; then rebuild)");
+  DT_CHECK(c.backend != "mpi" || (c.max_restarts == 0 && c.min_workers == 0), "config",
+           "--backend mpi: restarts and elastic worlds need dtrain's launcher (mpirun starts the ranks once); use the "
+           "default backend with --max-restarts / --min-workers");
   DT_CHECK(c.timeout > 0.0 && c.heartbeat_timeout >= 0.0, "config",
            "--timeout {} must be positive and --heartbeat-timeout {} non-negative (seconds)", c.timeout,
            c.heartbeat_timeout);

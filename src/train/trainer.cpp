@@ -524,9 +524,15 @@ TrainResult run_training(const TrainConfig& requested) {
     comm::GroupOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.timeout * 1000.0));
     options.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.heartbeat_timeout * 1000.0));
-    group = std::make_unique<comm::Group>(comm::Group::from_env(options));
-    DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the launcher started {} (WORLD_SIZE)",
-             cfg.dp, cfg.pp, cfg.tp, world, group->size());
+    if (cfg.backend == "mpi") {
+      group = std::make_unique<comm::Group>(comm::Group::from_mpi(options));
+    } else {
+      options.transport = cfg.backend;
+      group = std::make_unique<comm::Group>(comm::Group::from_env(options));
+    }
+    DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the {} started {}", cfg.dp,
+             cfg.pp, cfg.tp, world, cfg.backend == "mpi" ? "MPI job (mpirun -np)" : "launcher (WORLD_SIZE)",
+             group->size());
     mesh = std::make_unique<parallel::Mesh>(*group, parallel::MeshShape{cfg.dp, cfg.pp, cfg.tp});
     coord = mesh->coord();
     rank = group->rank();

@@ -630,7 +630,7 @@ int worker(const CollBenchOptions& o) {
   comm::GroupOptions gopts;
   gopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
   gopts.transport = o.transport;
-  Group world = Group::from_env(gopts);
+  Group world = o.transport == "mpi" ? Group::from_mpi(gopts) : Group::from_env(gopts);
   const int rank = world.rank(), p = world.size();
 
   Machine m;
@@ -744,7 +744,8 @@ int worker(const CollBenchOptions& o) {
 }  // namespace
 
 int run_bench_collectives(const CollBenchOptions& o, const std::vector<std::string>& argv) {
-  if (std::getenv("RANK") != nullptr) return worker(o);
+  // Started by a launcher, or one rank of an MPI job (mpirun -np N ... --transport mpi).
+  if (std::getenv("RANK") != nullptr || o.transport == "mpi") return worker(o);
   DT_CHECK(o.nranks >= 1 && o.nranks <= 256, "bench", "-n {}: expected 1..256 ranks", o.nranks);
   // Not started by a launcher: launch -n copies of this very command.
   return launch_self(o.nranks, argv, false);

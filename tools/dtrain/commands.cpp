@@ -19,11 +19,23 @@ namespace dtrain::tools {
 
 int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   train::finalize(cfg);
+  // Started by mpirun / srun with --backend mpi, or by a launcher (RANK, or a world of the
+  // requested size in Open MPI's or Slurm's environment): this process is one rank.
+  const bool mpi = cfg.backend == "mpi";
+  const char* rank_env = nullptr;
+  for (const char* v : {"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"}) {
+    if (rank_env == nullptr && std::getenv(v) != nullptr) rank_env = std::getenv(v);
+  }
+  const char* size_env = std::getenv("WORLD_SIZE") ? std::getenv("WORLD_SIZE")
+                         : std::getenv("OMPI_COMM_WORLD_SIZE") ? std::getenv("OMPI_COMM_WORLD_SIZE")
+                                                               : std::getenv("SLURM_NTASKS");
+  const bool in_world = std::getenv("RANK") != nullptr ||
+                        (rank_env != nullptr && size_env != nullptr && std::atoi(size_env) == train::world_size(cfg));
   // Not started by a launcher: start dp x pp x tp copies of this very command.
-  if ((train::world_size(cfg) > 1 || cfg.max_restarts > 0) && std::getenv("RANK") == nullptr) {
+  if (!mpi && (train::world_size(cfg) > 1 || cfg.max_restarts > 0) && !in_world) {
     return launch_self(train::world_size(cfg), argv, true, cfg.max_restarts, cfg.min_workers);
   }
-  const bool lead = std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0";
+  const bool lead = rank_env == nullptr || !(mpi || in_world) || std::string(rank_env) == "0";
   const train::TrainResult r = train::run_training(cfg);
   if (!lead) return 0;
   if (r.test_accuracy >= 0) {

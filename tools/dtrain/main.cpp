@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "dtrain/comm/mpi.h"
 #include "dtrain/launch/launcher.h"
 #include "dtrain/core/error.h"
 
@@ -78,7 +79,8 @@ int main(int argc, char** argv) {
   colls->add_option("--redop,-o", coll.redop, "sum|avg|max|min|prod")->capture_default_str();
   colls->add_option("--algo", coll.algo, "auto|direct|ring|hd|rd, or a comma-separated list (one sweep each)")
       ->capture_default_str();
-  colls->add_option("--transport", coll.transport, "auto|shm|tcp")->capture_default_str();
+  colls->add_option("--transport", coll.transport, "auto|shm|tcp, or mpi for ranks started by mpirun -np N")
+      ->capture_default_str();
   colls->add_option("--compress", coll.compress,
                     "none|bf16|fp16|int8|int4, or a comma-separated list: the compressed allreduce / reducescatter "
                     "(f32, sum or avg) with effbw (f32 bytes) next to wirebw (bytes sent); --check then accepts "
@@ -128,9 +130,13 @@ int main(int argc, char** argv) {
     if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
+    std::fflush(stderr);
+    dtrain::comm::mpi_abort_job(2);  // under mpirun: end every rank, not only this one
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
+    std::fflush(stderr);
+    dtrain::comm::mpi_abort_job(2);
     return 2;
   }
   return 0;

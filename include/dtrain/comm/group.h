@@ -42,7 +42,8 @@
 
 namespace dtrain::comm {
 
-/// Transport choice: "shm" (every rank on one host), "tcp", or "auto": shm when every rank
+/// Transport choice: "shm" (every rank on one host), "tcp", "mpi" (Group::from_mpi sets it;
+/// every rank must be in MPI_COMM_WORLD), or "auto": shm when every rank
 /// runs on this host, tcp otherwise. While `transport` is "auto", the environment variable
 /// DTRAIN_TRANSPORT=shm|tcp|auto decides instead. Every rank must end up with the same choice
 /// (checked: a mismatch raises naming both ranks).
@@ -54,7 +55,7 @@ namespace dtrain::comm {
 /// authenticated with `secret`, the job secret ("" means DTRAIN_SECRET).
 struct GroupOptions {
   Duration timeout = std::chrono::minutes(5);  // default for blocking calls and Work::wait()
-  std::string transport = "auto";              // auto | shm | tcp (see above; also DTRAIN_TRANSPORT)
+  std::string transport = "auto";              // auto | shm | tcp | mpi (see above; also DTRAIN_TRANSPORT)
   Algorithm algorithm = Algorithm::automatic;  // overrides the per-size choice (also DTRAIN_ALGO)
   std::string bind_address;                    // tcp: address to listen on and publish; "" = 127.0.0.1
   std::string secret;                          // tcp: the job secret; "" = DTRAIN_SECRET
@@ -130,7 +131,16 @@ class Group {
   /// The group is named "world", or "world@ID" with DTRAIN_RUN_ID=ID (an elastic round).
   /// An empty options.bind_address becomes DTRAIN_BIND_ADDR if set, else the address of the
   /// local interface that routes to MASTER_ADDR (127.0.0.1 when the master is local).
+  /// RANK and WORLD_SIZE may come from Open MPI (OMPI_COMM_WORLD_RANK, _SIZE), PMIx
+  /// (PMIX_RANK) or Slurm (SLURM_PROCID, SLURM_NTASKS) instead.
   static Group from_env(GroupOptions options = {});
+  /// Joins MPI_COMM_WORLD (a job started by mpirun or srun) with transport "mpi": rank and size
+  /// from MPI, a store served by rank 0 (its address, MASTER_ADDR if set, and a fresh secret
+  /// reach the others through MPI_Bcast), messages as MPI_Isend/MPI_Irecv and all_reduce,
+  /// reduce_scatter, all_gather, broadcast and barrier as MPI's non-blocking collectives, in
+  /// their blocking and asynchronous forms, polled against the timeout. Throws dtrain::Error
+  /// when dtrain was built without MPI (comm/mpi.h).
+  static Group from_mpi(GroupOptions options = {});
 
   Group() = default;
   int rank() const;

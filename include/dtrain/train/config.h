@@ -58,6 +58,7 @@ struct TrainConfig {
   int max_restarts = 0;           // dtrain train's own launcher restarts the workers this often
   int min_workers = 0;            // elastic: go on with fewer data-parallel replicas, down to this many processes
   double timeout = 300.0;         // seconds a collective or point-to-point call may wait
+  std::string backend = "auto";   // auto | shm | tcp | mpi (a job started by mpirun or srun)
   double heartbeat_timeout = 10.0;  // seconds without a rank's heartbeat before the job stops (0: off)
   std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
   // run
