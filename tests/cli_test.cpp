@@ -629,6 +629,20 @@ TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
     ProcessResult d = dtrain("diff --tol 0 --quiet " + path("ref-" + compress + ".dtm") + " " + out);
     EXPECT_EQ(d.code, 0) << compress << ": " << d.output;
   }
+  // Two processes per host: the gradients' all_reduce runs hierarchically (shm within a host,
+  // TCP between them), summing in another order than one host's shm: same math within 1e-5.
+  const std::string dp4 = "train --model mlp --hidden 64 --batch-size 32 --steps 10 --dp 4 --progress=false";
+  ProcessResult ref = dtrain(dp4 + " --save " + path("ref-dp4.dtm"));
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const std::string launch = std::string(DTRAIN_BINARY) +
+                             " launch --nnodes 2 --node-rank $HOST --master-addr $MASTER_ADDR --master-port 29614 "
+                             "-n 2 -- " + DTRAIN_BINARY + " " + dp4 + " --save " + path("hosts-dp4.dtm");
+  const ProcessResult r = run_shell("DTRAIN_SECRET=netns-test timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
+                                    "/scripts/netns-cluster --hosts 2 --rate 1gbit --name " + cluster + " -- sh -c '" +
+                                    launch + "' 2>&1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("ref-dp4.dtm") + " " + path("hosts-dp4.dtm"));
+  EXPECT_EQ(d.code, 0) << d.output;
 }
 
 // The MPI backend: the same training started by mpirun instead of dtrain's launcher; DP with

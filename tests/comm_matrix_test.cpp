@@ -336,6 +336,17 @@ TEST_P(HierarchicalAllReduce, EveryDtypeAndOpIsExactOnEveryRank) {
             }
           }
         }
+        // Vectors large enough to go in pipelined segments (12 MB: 5), in and out of place.
+        for (bool in_place : {false, true}) {
+          const size_t n = 3000017;
+          std::vector<float> a(n), b(n);
+          for (size_t i = 0; i < n; ++i) a[i] = static_cast<float>((r + 1) * static_cast<int>(i % 97));
+          g.all_reduce(a.data(), in_place ? a.data() : b.data(), n, DataType::f32, ReduceOp::sum);
+          const auto& got = in_place ? a : b;
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(got[i], static_cast<float>(p * (p + 1) / 2 * static_cast<int>(i % 97))) << "element " << i;
+          }
+        }
         // The asynchronous form, and the float sum identical on every rank.
         std::vector<float> x(100003), y(x.size());
         std::mt19937 rng(static_cast<unsigned>(r));

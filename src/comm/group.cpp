@@ -31,6 +31,12 @@
 
 namespace dtrain::comm {
 
+namespace {
+// Hierarchical all_reduce: a vector of at least twice this goes in segments of about this
+// size (at most 8), pipelined between the host's shm and the link between hosts.
+constexpr size_t kHierarchicalSegmentBytes = size_t{512} << 10;
+}  // namespace
+
 // ---------------------------------------------------------------------------------- Work
 
 struct Work::State {
@@ -427,30 +433,62 @@ struct Group::Impl {
 
   // reduce_scatter within the host, all_reduce across hosts, all_gather within the host.
   // Every rank ends with the same bytes: piece q is reduced by the same ring on every host,
-  // and every rank gathers the same pieces. avg sums and divides once at the end.
+  // and every rank gathers the same pieces. avg sums and divides once at the end. A large
+  // vector goes in segments, pipelined: the host's reduce_scatter of segment s+1 and its
+  // all_gather of segment s-1 run (on the local group's thread) while segment s crosses the
+  // hosts (on the cross group's), so the link is rarely idle.
   void hierarchical_all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
     ensure_hierarchy_groups();
     Hierarchy& h = *hierarchy;
     const ReduceOp inner = op == ReduceOp::avg ? ReduceOp::sum : op;
     const size_t es = size_of(dtype);
     const auto l = static_cast<size_t>(h.local_size);
-    const size_t block = (count + l - 1) / l;
-    const bool pad = block * l != count;
-    const void* in = send;
+    const size_t segments = std::clamp<size_t>(count * es / kHierarchicalSegmentBytes, 1, 8);
+    const size_t block = (count + l * segments - 1) / (l * segments);  // elements of one piece
+    const size_t padded = block * l * segments;
+    const bool pad = padded != count;
+    const char* in = static_cast<const char*>(send);
+    char* out = static_cast<char*>(recv);
     if (pad) {
-      h.padded.assign(block * l * es, 0);
+      h.padded.assign(std::max<size_t>(padded * es, 1), 0);
       if (count > 0) std::memcpy(h.padded.data(), send, count * es);
-      in = h.padded.data();
+      in = out = reinterpret_cast<char*>(h.padded.data());
     }
-    h.piece.resize(std::max<size_t>(block * es, 1));
-    h.local.reduce_scatter(in, h.piece.data(), block, dtype, inner);
-    h.cross.all_reduce(h.piece.data(), h.piece.data(), block, dtype, inner);
-    if (pad) {
-      h.local.all_gather(h.piece.data(), h.padded.data(), block, dtype);
-      if (count > 0) std::memcpy(recv, h.padded.data(), count * es);
-    } else {
-      h.local.all_gather(h.piece.data(), recv, block, dtype);
+    h.piece.resize(std::max<size_t>(block * segments * es, 1));
+    char* piece = reinterpret_cast<char*>(h.piece.data());
+    const size_t seg_bytes = block * l * es;
+    std::vector<Work> rs(segments), ar(segments), ag(segments);
+    std::exception_ptr failed;
+    auto wait = [&](Work& w) {
+      if (!w.valid()) return false;
+      try {
+        w.wait();
+        return true;
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+        return false;
+      }
+    };
+    for (size_t k = 0; k < segments; ++k) {
+      rs[k] = h.local.reduce_scatter_async(in + k * seg_bytes, piece + k * block * es, block, dtype, inner);
     }
+    for (size_t k = 0; k < segments && !failed; ++k) {
+      if (!wait(rs[k])) break;
+      ar[k] = h.cross.all_reduce_async(piece + k * block * es, piece + k * block * es, block, dtype, inner);
+      if (k > 0 && wait(ar[k - 1])) {
+        ag[k - 1] = h.local.all_gather_async(piece + (k - 1) * block * es, out + (k - 1) * seg_bytes, block, dtype);
+      }
+    }
+    if (!failed && wait(ar[segments - 1])) {
+      ag[segments - 1] = h.local.all_gather_async(piece + (segments - 1) * block * es,
+                                                  out + (segments - 1) * seg_bytes, block, dtype);
+    }
+    // Every operation still touching the buffers ends before this returns or throws.
+    for (auto* works : {&rs, &ar, &ag}) {
+      for (Work& w : *works) wait(w);
+    }
+    if (failed) std::rethrow_exception(failed);
+    if (pad && count > 0) std::memcpy(recv, h.padded.data(), count * es);
     finish_avg(recv, count, dtype, op, size);
   }
 
