@@ -3,13 +3,15 @@
 2 processes per host, 1 Gbit/s links. Needs root.
 
     /usr/bin/python3 bench/netns_cluster.py [--hosts 4] [--per-host 2] [--rate 1gbit]
-                                            [--repeat 3] [--only train|allreduce|speed]
+                                            [--repeat 3] [--only train|mpi|allreduce|speed]
 
 train      the MLP (AdamW) and the GPT (SGD) with DP and DP x PP across the hosts (TCP between
            hosts, shared memory within one), each compared with the same job on one host by
            `dtrain diff` (same global batch and steps; limit 1e-5 relative). The sums differ only
            in their order; AdamW turns that rounding into steps of +-lr for weights whose
            gradient is near zero (the GPT: 2e-4 after 20 steps with AdamW), hence SGD there.
+mpi        the same jobs under `mpirun -np 8 dtrain train --backend mpi` on one host, each
+           against the launcher's run.
 allreduce  `dtrain bench collectives --op allreduce --algo ring,hier` across the hosts, --repeat
            times; per size the median p50 of the flat ring and of the hierarchical all_reduce,
            and their ratio.
@@ -78,6 +80,29 @@ def train(args, tmp):
     return rows
 
 
+def mpi(args, tmp):
+    """The same jobs started by mpirun with --backend mpi (one host: mpirun cannot reach into
+    the namespaces), each against the launcher's run."""
+    world = args.hosts * args.per_host
+    mpirun = "mpirun --allow-run-as-root --oversubscribe --bind-to none"
+    rows = []
+    for name, job in JOBS.items():
+        job = job.format(world=world, half=world // 2)
+        ref, dist = os.path.join(tmp, name + "-one.dtm"), os.path.join(tmp, name + "-mpi.dtm")
+        rc, out = sh(f"{args.dtrain} train {job} --progress=false --save {ref}")
+        if rc != 0:
+            sys.exit(f"{name} with the launcher failed:\n{out[-3000:]}")
+        rc, out = sh(f"{mpirun} -np {world} {args.dtrain} train --backend mpi {job} --progress=false --save {dist}")
+        if rc != 0:
+            sys.exit(f"{name} under mpirun failed:\n{out[-3000:]}")
+        rc, out = sh(f"{args.dtrain} diff --quiet --tol 1e-5 {ref} {dist}")
+        max_rel = float(out.strip().splitlines()[-1].split("max_rel")[1].split()[0])
+        rows.append({"job": name, "args": job, "max_rel": max_rel, "within": rc == 0})
+        print(f"mpi   {name:10s} mpirun -np {world} --backend mpi vs dtrain launch: max_rel {max_rel:.3e} "
+              f"{'WITHIN' if rc == 0 else 'EXCEEDS'} 1e-5", flush=True)
+    return rows
+
+
 def allreduce(args, tmp):
     times = {}  # (algo, bytes) -> [p50 us]
     for k in range(args.repeat):
@@ -132,7 +157,7 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-bytes", default="64M")
-    ap.add_argument("--only", choices=["train", "allreduce", "speed"])
+    ap.add_argument("--only", choices=["train", "mpi", "allreduce", "speed"])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/netns_cluster.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -144,6 +169,9 @@ def main():
         if args.only in (None, "train"):
             result["train"] = train(args, tmp)
             ok = ok and all(r["within"] for r in result["train"])
+        if args.only in (None, "mpi"):
+            result["mpi"] = mpi(args, tmp)
+            ok = ok and all(r["within"] for r in result["mpi"])
         if args.only in (None, "allreduce"):
             result["allreduce"] = allreduce(args, tmp)
         if args.only in (None, "speed"):

@@ -681,6 +681,22 @@ TEST_F(Cli, MpirunTrainsLikeTheLauncher) {
 #endif
 }
 
+// srun sets SLURM_PROCID / SLURM_NTASKS, not RANK / WORLD_SIZE: the workers take their ranks
+// from there (here dtrain launch provides the store, and the script hides its variables).
+TEST_F(Cli, RanksComeFromSlurmsEnvironment) {
+  const std::string job = "--model mlp --hidden 32 --batch-size 16 --steps 4 --dp 2 --progress=false";
+  ProcessResult ref = dtrain("train " + job + " --save " + path("ref.dtm"));
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const ProcessResult r = dtrain("launch -n 2 -- sh -c 'SLURM_PROCID=$RANK SLURM_NTASKS=$WORLD_SIZE exec env -u RANK -u "
+                                 "WORLD_SIZE " + std::string(DTRAIN_BINARY) + " train " + job + " --save " +
+                                 path("slurm.dtm") + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] saved"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[rank 1] saved"), std::string::npos) << "rank 1 acted as the lead: " << r.output;
+  ProcessResult d = dtrain("diff --tol 0 --quiet " + path("ref.dtm") + " " + path("slurm.dtm"));
+  EXPECT_EQ(d.code, 0) << d.output;
+}
+
 TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
   ProcessResult r = dtrain("launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "
                            "${#DTRAIN_SECRET} $MASTER_ADDR'",
