@@ -317,6 +317,7 @@ TEST_P(HierarchicalAllReduce, EveryDtypeAndOpIsExactOnEveryRank) {
       [&](Group& g) {
         const int r = g.rank();
         EXPECT_EQ(g.transport_kind(), "tcp");
+        EXPECT_EQ(g.all_reduce_algorithm(size_t{1} << 20), shaped ? Algorithm::hierarchical : Algorithm::ring);
         EXPECT_EQ(g.all_reduce_algorithm(4096), shaped ? Algorithm::hierarchical : Algorithm::recursive_doubling);
         for (DataType t : kTypes) {
           for (ReduceOp op : kOps) {
@@ -365,6 +366,29 @@ TEST_P(HierarchicalAllReduce, EveryDtypeAndOpIsExactOnEveryRank) {
         o.timeout = std::chrono::seconds(60);
         o.secret = "hier-test-secret";
         o.host_id = fmt::format("host{}", r % hosts);
+        o.algorithm = Algorithm::hierarchical;  // at every size (auto takes it from 64 KiB)
+        return o;
+      });
+}
+
+// auto: the flat recursive doubling for small vectors, the hierarchy from 64 KiB; a
+// sub-group on one host goes back to shared memory.
+TEST(HierarchicalAllReduceChoice, AutoTakesItFrom64KiBAndOneHostSplitsUseShm) {
+  run_ranks(
+      4,
+      [](Group& g) {
+        EXPECT_EQ(g.all_reduce_algorithm(8 << 10), Algorithm::recursive_doubling);
+        EXPECT_EQ(g.all_reduce_algorithm((64 << 10) - 4), Algorithm::halving_doubling);
+        EXPECT_EQ(g.all_reduce_algorithm(64 << 10), Algorithm::hierarchical);
+        Group host = g.split(g.rank() % 2, g.rank());
+        EXPECT_EQ(host.transport_kind(), "shm");
+        EXPECT_EQ(host.all_reduce_algorithm(64 << 10), Algorithm::direct);
+      },
+      [](int r) {
+        GroupOptions o;
+        o.timeout = std::chrono::seconds(60);
+        o.secret = "hier-test-secret";
+        o.host_id = fmt::format("host{}", r % 2);
         return o;
       });
 }

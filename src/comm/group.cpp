@@ -35,6 +35,8 @@ namespace {
 // Hierarchical all_reduce: a vector of at least twice this goes in segments of about this
 // size (at most 8), pipelined between the host's shm and the link between hosts.
 constexpr size_t kHierarchicalSegmentBytes = size_t{512} << 10;
+// Below this, auto runs the flat algorithms on such a group (see Impl::hierarchical_for).
+constexpr size_t kHierarchicalMinBytes = size_t{64} << 10;
 }  // namespace
 
 // ---------------------------------------------------------------------------------- Work
@@ -410,11 +412,14 @@ struct Group::Impl {
   }
 
   // Whether all_reduce of `bytes` bytes runs hierarchically: on a group of that shape, when
-  // asked to or when the algorithm is auto. On the 4-host test cluster (bench/netns_cluster.py)
-  // it beat the flat algorithms at every size, so auto takes it from the first byte.
-  bool hierarchical_for(size_t /*bytes*/) const {
+  // asked to, or when the algorithm is auto and the vector is large enough. On the 4-host test
+  // cluster (4 x 2 ranks, 1 Gbit/s; bench/netns_cluster.py) the flat recursive doubling wins up
+  // to 32 KiB (about 0.6 ms against 1.0: three phases and two hand-offs) and the hierarchical
+  // one from 64 KiB (1.3-1.9 ms against 1.9-2.0 for rd, 2.3 for the ring).
+  bool hierarchical_for(size_t bytes) const {
     if (!hierarchy) return false;
-    return options.algorithm == Algorithm::automatic || options.algorithm == Algorithm::hierarchical;
+    if (options.algorithm == Algorithm::hierarchical) return true;
+    return options.algorithm == Algorithm::automatic && bytes >= kHierarchicalMinBytes;
   }
 
   void ensure_hierarchy_groups() {
