@@ -678,6 +678,18 @@ TEST_F(Cli, MpirunTrainsLikeTheLauncher) {
                                       "--progress=false 2>&1");
   EXPECT_NE(bad.code, 0) << bad.output;
   EXPECT_NE(bad.output.find("but the MPI job (mpirun -np) started 3"), std::string::npos) << bad.output;
+  // A rank killed in the gradients' all_reduce ends the job soon (mpirun stops the others),
+  // and a stopped one within the heartbeat timeout (the others end it with MPI_Abort).
+  for (const std::string fault : {"kill:rank=1:step=3:phase=allreduce", "stop:rank=2:step=3"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const ProcessResult f = run_shell("DTRAIN_FAULT=" + fault + " timeout -k 5 120 " + std::string(DTRAIN_MPIRUN) +
+                                      " -np 4 " + DTRAIN_BINARY + " train --backend mpi " + jobs[0] +
+                                      " --heartbeat-timeout 2 --progress=false 2>&1");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(f.code, 0) << fault << ": " << f.output;
+    EXPECT_NE(f.code, 124) << fault << ": the job hung: " << f.output;
+    EXPECT_LT(s, 60.0) << fault << ": " << f.output;
+  }
 #endif
 }
 
@@ -687,9 +699,9 @@ TEST_F(Cli, RanksComeFromSlurmsEnvironment) {
   const std::string job = "--model mlp --hidden 32 --batch-size 16 --steps 4 --dp 2 --progress=false";
   ProcessResult ref = dtrain("train " + job + " --save " + path("ref.dtm"));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  const ProcessResult r = dtrain("launch -n 2 -- sh -c 'SLURM_PROCID=$RANK SLURM_NTASKS=$WORLD_SIZE exec env -u RANK -u "
-                                 "WORLD_SIZE " + std::string(DTRAIN_BINARY) + " train " + job + " --save " +
-                                 path("slurm.dtm") + "'");
+  const ProcessResult r = dtrain("launch -n 2 -- sh -c 'SLURM_STEP_ID=0 SLURM_PROCID=$RANK SLURM_NTASKS=$WORLD_SIZE "
+                                 "exec env -u RANK -u WORLD_SIZE " + std::string(DTRAIN_BINARY) + " train " + job +
+                                 " --save " + path("slurm.dtm") + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("[rank 0] saved"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("[rank 1] saved"), std::string::npos) << "rank 1 acted as the lead: " << r.output;

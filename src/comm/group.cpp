@@ -136,6 +136,7 @@ struct Group::Impl {
     Group cross;  // the ranks of the same local_rank on every host (tcp)
     std::vector<uint8_t> padded;  // count rounded up to a multiple of local_size, when it is not one
     std::vector<uint8_t> piece;   // this rank's 1/local_size of the vector
+    std::mutex mu;                // local and cross, against abort() from other threads
   };
   std::optional<Hierarchy> hierarchy;
 
@@ -268,6 +269,17 @@ struct Group::Impl {
 
   void abort(const std::string& reason) {
     if (transport) transport->abort(reason);
+    abort_hierarchy(reason);
+  }
+
+  // The hierarchy's sub-groups stop too, so that an abandoned hierarchical all_reduce stops
+  // touching the caller's buffers. May run on any thread.
+  void abort_hierarchy(const std::string& reason) {
+    if (!hierarchy) return;
+    std::lock_guard<std::mutex> lock(hierarchy->mu);
+    for (Group* g : {&hierarchy->local, &hierarchy->cross}) {
+      if (g->impl_) g->impl_->abort(reason);
+    }
   }
 
   // Runs body(seq, deadline) in issue order and returns its Work. A blocking call issued while
@@ -430,10 +442,13 @@ struct Group::Impl {
     sub.heartbeat_store = nullptr;
     sub.transport = "shm";
     sub.algorithm = Algorithm::direct;
-    h.local = Group::create(store, h.local_rank, h.local_size, sub, fmt::format("{}/hier/host{}", name, h.host));
+    Group local = Group::create(store, h.local_rank, h.local_size, sub, fmt::format("{}/hier/host{}", name, h.host));
     sub.transport = "tcp";
     sub.algorithm = Algorithm::automatic;
-    h.cross = Group::create(store, h.host, h.hosts, sub, fmt::format("{}/hier/local{}", name, h.local_rank));
+    Group cross = Group::create(store, h.host, h.hosts, sub, fmt::format("{}/hier/local{}", name, h.local_rank));
+    std::lock_guard<std::mutex> lock(h.mu);
+    h.local = std::move(local);
+    h.cross = std::move(cross);
   }
 
   // reduce_scatter within the host, all_reduce across hosts, all_gather within the host.
@@ -442,7 +457,8 @@ struct Group::Impl {
   // vector goes in segments, pipelined: the host's reduce_scatter of segment s+1 and its
   // all_gather of segment s-1 run (on the local group's thread) while segment s crosses the
   // hosts (on the cross group's), so the link is rarely idle.
-  void hierarchical_all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
+  void hierarchical_all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                               Deadline deadline) {
     ensure_hierarchy_groups();
     Hierarchy& h = *hierarchy;
     const ReduceOp inner = op == ReduceOp::avg ? ReduceOp::sum : op;
@@ -464,13 +480,26 @@ struct Group::Impl {
     const size_t seg_bytes = block * l * es;
     std::vector<Work> rs(segments), ar(segments), ag(segments);
     std::exception_ptr failed;
+    // Waits for a sub-operation until this call's deadline; meanwhile this group's sends and
+    // receives in flight keep moving (a peer may need them before it reaches this call).
     auto wait = [&](Work& w) {
       if (!w.valid()) return false;
       try {
-        w.wait();
+        for (int polls = 0; !inflight.empty() && !w.test(); ++polls) {
+          poll_inflight();
+          if (Clock::now() >= deadline) {
+            throw TransportError(TransportError::Kind::timeout, {}, "not complete by the deadline", __FILE__, __LINE__);
+          }
+          if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        w.wait(std::max(Duration(1), std::chrono::duration_cast<Duration>(deadline - Clock::now())));
         return true;
       } catch (...) {
-        if (!failed) failed = std::current_exception();
+        if (!failed) {
+          failed = std::current_exception();
+          // The peers on this host and across hosts must not wait for phases this rank skips.
+          abort_hierarchy(fmt::format("rank {}: hierarchical all_reduce failed", rank));
+        }
         return false;
       }
     };
@@ -689,11 +718,13 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
 }
 
 Group Group::from_env(GroupOptions options) {
-  const int rank = env_int(first_set({"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"}));
-  const int size = env_int(first_set({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}));
+  const int rank = env_int(first_set({"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}));
+  const int size = env_int(first_set({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}));
   const char* addr = std::getenv("MASTER_ADDR");
   const char* secret = std::getenv("DTRAIN_SECRET");
-  DT_CHECK(addr != nullptr && *addr != '\0', "comm", "environment variable MASTER_ADDR is not set");
+  DT_CHECK(addr != nullptr && *addr != '\0', "comm",
+           "environment variable MASTER_ADDR is not set (start ranks with dtrain launch; under mpirun or srun "
+           "without MASTER_ADDR and MASTER_PORT, use --backend mpi)");
   DT_CHECK(secret != nullptr && *secret != '\0', "comm", "environment variable DTRAIN_SECRET is not set");
   const int port = env_int("MASTER_PORT");
   DT_CHECK(port > 0 && port < 65536, "comm", "MASTER_PORT {} out of range", port);
@@ -752,10 +783,16 @@ Group Group::from_mpi(GroupOptions options) {
       }
     }
     const std::string secret = make_secret();
-    server = std::make_shared<TcpStoreServer>(bind, 0, secret);
-    contact = fmt::format("{}\n{}\n{}", host, server->port(), secret);
+    try {
+      server = std::make_shared<TcpStoreServer>(bind, 0, secret);
+      contact = fmt::format("{}\n{}\n{}", host, server->port(), secret);
+    } catch (const std::exception& e) {
+      contact = fmt::format("!{}", e.what());  // the others raise it too instead of waiting
+    }
   }
   contact = mpi_broadcast_from_root(contact);
+  DT_CHECK(contact.empty() || contact[0] != '!', "comm", "from_mpi: rank 0 could not serve the store: {}",
+           contact.substr(1));
   const size_t a = contact.find('\n'), b = contact.rfind('\n');
   DT_CHECK(a != std::string::npos && b != a, "comm", "from_mpi: malformed store contact from rank 0");
   const std::string host = contact.substr(0, a);
@@ -834,8 +871,8 @@ Work all_reduce_impl(Impl& g, const void* send, void* recv, size_t count, DataTy
   if (g.hierarchical_for(count * size_of(dtype))) {
     return g.dispatch(
         "all_reduce", true, blocking,
-        [&g, send, recv, count, dtype, op](uint64_t, Deadline) {
-          g.hierarchical_all_reduce(send, recv, count, dtype, op);
+        [&g, send, recv, count, dtype, op](uint64_t, Deadline deadline) {
+          g.hierarchical_all_reduce(send, recv, count, dtype, op, deadline);
           return true;
         },
         count * size_of(dtype));

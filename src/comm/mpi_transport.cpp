@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -41,6 +42,17 @@ void check_mpi(int rc, const std::string& what) {
     throw TransportError(Kind::protocol, {}, fmt::format("{}: MPI error: {}", what, mpi_message(rc)), __FILE__,
                          __LINE__);
   }
+}
+
+// MPI cannot take back a pending operation: its buffers stay in use until it completes. A
+// timeout or abort while one is pending therefore ends the job (the caller could otherwise
+// free buffers MPI still reads or writes).
+[[noreturn]] void end_job(const std::string& why) {
+  std::fprintf(stderr, "dtrain: error: [comm] %s; MPI cannot cancel the pending operation, so the job ends\n",
+               why.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 3);
+  std::abort();
 }
 
 // MPI has no bf16 or f16: they travel as 2-byte types of their own, reduced by user
@@ -134,10 +146,15 @@ MPI_Op mpi_op(DataType t, ReduceOp op) {
   return MPI_SUM;
 }
 
-// Our 64-bit message tags folded into MPI's tag range; a receive compares the fold.
-int fold_tag(uint64_t tag) {
-  const uint64_t mixed = tag ^ (tag >> 29) ^ (tag >> 58);
-  return static_cast<int>(mixed % (static_cast<uint64_t>(g_tag_ub) + 1));
+// A message's MPI tag: our 64-bit tag, the message's total size and the chunk's index,
+// folded into MPI's tag range; a receive compares it with the one it expects, so a message of
+// another operation or size is caught even when a chunk's size happens to match.
+int fold_tag(uint64_t tag, size_t bytes, size_t chunk) {
+  uint64_t x = tag ^ (static_cast<uint64_t>(bytes) * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(chunk) << 47);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<int>(x % (static_cast<uint64_t>(g_tag_ub) + 1));
 }
 
 // Messages larger than this go as several, each within MPI's int counts.
@@ -180,6 +197,9 @@ class MpiTransport final : public Transport, public DirectCollectives {
   }
 
   ~MpiTransport() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;  // a group that outlived main(): MPI is gone already
     for (auto& [id, req] : pending_) {
       for (MPI_Request& r : req.requests) {
         if (r == MPI_REQUEST_NULL) continue;
@@ -215,15 +235,17 @@ class MpiTransport final : public Transport, public DirectCollectives {
           what += fmt::format("{}{} rank {} ({} bytes)", what.empty() ? "" : ", ",
                               it->second.recv ? "recv from" : "send to", it->second.peer, it->second.bytes);
         }
-        throw TransportError(Kind::timeout, peers, fmt::format("mpi: {} not complete by the deadline", what),
-                             __FILE__, __LINE__);
+        end_job(fmt::format("mpi: {} not complete by the deadline (peers: {})", what, fmt::join(peers, ", ")));
       }
       pause(spins);
     }
   }
 
   bool test(const std::vector<RequestId>& requests) override {
-    check_abort();
+    if (aborted_or_notified()) {
+      if (!pending_.empty()) end_job(fmt::format("mpi: aborted with messages in flight: {}", reason()));
+      check_abort();
+    }
     bool all = true;
     for (RequestId id : requests) {
       auto it = pending_.find(id);
@@ -233,10 +255,22 @@ class MpiTransport final : public Transport, public DirectCollectives {
       std::vector<MPI_Status> status(p.requests.size());
       const int rc = MPI_Testall(static_cast<int>(p.requests.size()), p.requests.data(), &done, status.data());
       if (rc != MPI_SUCCESS) {
-        throw TransportError(Kind::protocol, {p.peer},
-                             fmt::format("mpi: {} rank {} (tag {}, {} bytes) failed: {}", p.recv ? "recv from" : "send to",
-                                         p.peer, p.tag, p.bytes, mpi_message(rc == MPI_ERR_IN_STATUS ? status[0].MPI_ERROR : rc)),
-                             __FILE__, __LINE__);
+        int err = rc;
+        size_t k = 0;
+        if (rc == MPI_ERR_IN_STATUS) {
+          while (k + 1 < status.size() && (status[k].MPI_ERROR == MPI_SUCCESS || status[k].MPI_ERROR == MPI_ERR_PENDING)) ++k;
+          err = status[k].MPI_ERROR;
+        }
+        int got = 0;
+        if (p.recv) MPI_Get_count(&status[k], MPI_BYTE, &got);
+        const std::string detail =
+            p.recv && err == MPI_ERR_TRUNCATE
+                ? fmt::format(": the next message from rank {} is larger than the {} bytes expected (MPI tag {}, "
+                              "expected {}): the ranks issued different operations",
+                              p.peer, p.chunk_bytes[k], status[k].MPI_TAG, chunk_tag(p, k))
+                : "";
+        end_job(fmt::format("mpi: {} rank {} (tag {}, {} bytes) failed: {}{}", p.recv ? "recv from" : "send to", p.peer,
+                            p.tag, p.bytes, mpi_message(err), detail));
       }
       if (!done) {
         all = false;
@@ -249,6 +283,9 @@ class MpiTransport final : public Transport, public DirectCollectives {
   }
 
   void abort(const std::string& reason) override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
     std::lock_guard<std::mutex> lock(abort_mu_);
     if (aborted_.load()) return;
     abort_reason_ = reason;
@@ -350,12 +387,12 @@ class MpiTransport final : public Transport, public DirectCollectives {
     p.recv = !send;
     p.tag = tag;
     p.bytes = bytes;
-    const int mtag = fold_tag(tag);
     size_t off = 0;
     do {
       const size_t n = std::min(kChunkBytes, bytes - off);
       MPI_Request req = MPI_REQUEST_NULL;
       char* at = static_cast<char*>(data) + off;
+      const int mtag = fold_tag(tag, bytes, p.requests.size());
       const int rc = send ? MPI_Isend(at, static_cast<int>(n), MPI_BYTE, peer, mtag, data_, &req)
                           : MPI_Irecv(at, static_cast<int>(n), MPI_BYTE, peer, MPI_ANY_TAG, data_, &req);
       check_mpi(rc, fmt::format("mpi: {} rank {}", send ? "send to" : "recv from", peer));
@@ -370,16 +407,18 @@ class MpiTransport final : public Transport, public DirectCollectives {
 
   // A receive matches the next message from its peer, whatever its tag: a different tag or
   // size means the two ranks disagree on what they exchange.
+  static int chunk_tag(const Pending& p, size_t k) { return fold_tag(p.tag, p.bytes, k); }
+
   void check_received(const Pending& p, const std::vector<MPI_Status>& status) const {
     for (size_t k = 0; k < status.size(); ++k) {
       int got = 0;
       MPI_Get_count(&status[k], MPI_BYTE, &got);
-      if (status[k].MPI_TAG != fold_tag(p.tag) || static_cast<size_t>(got) != p.chunk_bytes[k]) {
+      if (status[k].MPI_TAG != chunk_tag(p, k) || static_cast<size_t>(got) != p.chunk_bytes[k]) {
         throw TransportError(Kind::protocol, {p.peer},
-                             fmt::format("mpi: recv from rank {} expected tag {} ({} bytes) but the next message has "
-                                         "MPI tag {} ({} bytes, expected MPI tag {}): the ranks issued different "
-                                         "operations",
-                                         p.peer, p.tag, p.chunk_bytes[k], status[k].MPI_TAG, got, fold_tag(p.tag)),
+                             fmt::format("mpi: recv from rank {} expected tag {} ({} bytes) but the next message "
+                                         "differs in tag or size (MPI tag {}, expected {}; {} bytes): the ranks "
+                                         "issued different operations",
+                                         p.peer, p.tag, p.bytes, status[k].MPI_TAG, chunk_tag(p, k), got),
                              __FILE__, __LINE__);
       }
     }
@@ -395,16 +434,16 @@ class MpiTransport final : public Transport, public DirectCollectives {
   // should end (mpirun then stops the job).
   void complete(MPI_Request& req, Deadline deadline, const char* what) {
     for (int spins = 0;; ++spins) {
-      check_abort();
+      if (aborted_or_notified()) end_job(fmt::format("mpi: {} aborted: {}", what, reason()));
       int done = 0;
       MPI_Status status;
       const int rc = MPI_Test(&req, &done, &status);
-      check_mpi(rc, fmt::format("mpi: {}", what));
+      if (rc != MPI_SUCCESS) end_job(fmt::format("mpi: {} failed: {}", what, mpi_message(rc)));
       if (done) return;
       if (Clock::now() >= deadline) {
-        throw TransportError(Kind::timeout, {},
-                             fmt::format("mpi: {} not complete by the deadline (some rank did not call it)", what),
-                             __FILE__, __LINE__);
+        end_job(fmt::format("mpi: {} not complete by the deadline (some rank did not call it, or called it with "
+                            "other arguments)",
+                            what));
       }
       pause(spins);
     }
@@ -420,28 +459,33 @@ class MpiTransport final : public Transport, public DirectCollectives {
     std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (spins - 399))));
   }
 
-  void check_abort() {
+  // True when this transport was aborted or a peer's abort notice arrived (which it records).
+  bool aborted_or_notified() {
+    if (aborted_.load()) return true;
+    int flag = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, 0, control_, &flag, &status);
+    if (!flag) return false;
+    int len = 0;
+    MPI_Get_count(&status, MPI_CHAR, &len);
+    std::string text(static_cast<size_t>(std::max(0, len)), '\0');
+    MPI_Recv(text.data(), len, MPI_CHAR, status.MPI_SOURCE, 0, control_, MPI_STATUS_IGNORE);
+    std::lock_guard<std::mutex> lock(abort_mu_);
     if (!aborted_.load()) {
-      int flag = 0;
-      MPI_Status status;
-      MPI_Iprobe(MPI_ANY_SOURCE, 0, control_, &flag, &status);
-      if (!flag) return;
-      int len = 0;
-      MPI_Get_count(&status, MPI_CHAR, &len);
-      std::string text(static_cast<size_t>(std::max(0, len)), '\0');
-      MPI_Recv(text.data(), len, MPI_CHAR, status.MPI_SOURCE, 0, control_, MPI_STATUS_IGNORE);
-      std::lock_guard<std::mutex> lock(abort_mu_);
-      if (!aborted_.load()) {
-        abort_reason_ = fmt::format("rank {} aborted: {}", status.MPI_SOURCE, text);
-        aborted_.store(true);
-      }
+      abort_reason_ = fmt::format("rank {} aborted: {}", status.MPI_SOURCE, text);
+      aborted_.store(true);
     }
-    std::string why;
-    {
-      std::lock_guard<std::mutex> lock(abort_mu_);
-      why = abort_reason_;
-    }
-    throw TransportError(Kind::aborted, {}, fmt::format("mpi: aborted: {}", why), __FILE__, __LINE__);
+    return true;
+  }
+
+  std::string reason() {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    return abort_reason_;
+  }
+
+  void check_abort() {
+    if (!aborted_or_notified()) return;
+    throw TransportError(Kind::aborted, {}, fmt::format("mpi: aborted: {}", reason()), __FILE__, __LINE__);
   }
 
   int rank_, size_;

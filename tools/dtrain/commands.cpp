@@ -8,6 +8,7 @@
 #include <ctime>
 #include <cstdlib>
 
+#include "dtrain/comm/mpi.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
@@ -21,22 +22,28 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   train::finalize(cfg);
   // Started by mpirun / srun with --backend mpi, or by a launcher (RANK, or a world of the
   // requested size in Open MPI's or Slurm's environment): this process is one rank.
+  // Slurm's variables count only inside a job step (srun): a batch script has them too.
   const bool mpi = cfg.backend == "mpi";
-  const char* rank_env = nullptr;
-  for (const char* v : {"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"}) {
-    if (rank_env == nullptr && std::getenv(v) != nullptr) rank_env = std::getenv(v);
-  }
-  const char* size_env = std::getenv("WORLD_SIZE") ? std::getenv("WORLD_SIZE")
-                         : std::getenv("OMPI_COMM_WORLD_SIZE") ? std::getenv("OMPI_COMM_WORLD_SIZE")
-                                                               : std::getenv("SLURM_NTASKS");
+  const bool slurm_step = std::getenv("SLURM_STEP_ID") != nullptr || std::getenv("SLURM_STEPID") != nullptr;
+  auto first = [](std::initializer_list<const char*> vars) -> const char* {
+    for (const char* v : vars) {
+      if (const char* x = std::getenv(v)) return x;
+    }
+    return nullptr;
+  };
+  const char* rank_env = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"});
+  const char* size_env = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
+  if (rank_env == nullptr && slurm_step) rank_env = std::getenv("SLURM_PROCID");
+  if (size_env == nullptr && slurm_step) size_env = std::getenv("SLURM_NTASKS");
   const bool in_world = std::getenv("RANK") != nullptr ||
                         (rank_env != nullptr && size_env != nullptr && std::atoi(size_env) == train::world_size(cfg));
   // Not started by a launcher: start dp x pp x tp copies of this very command.
   if (!mpi && (train::world_size(cfg) > 1 || cfg.max_restarts > 0) && !in_world) {
     return launch_self(train::world_size(cfg), argv, true, cfg.max_restarts, cfg.min_workers);
   }
-  const bool lead = rank_env == nullptr || !(mpi || in_world) || std::string(rank_env) == "0";
   const train::TrainResult r = train::run_training(cfg);
+  const bool lead = mpi && train::world_size(cfg) > 1 ? comm::mpi_world().rank == 0
+                                                      : rank_env == nullptr || !in_world || std::string(rank_env) == "0";
   if (!lead) return 0;
   if (r.test_accuracy >= 0) {
     std::printf("final: steps %ld  train loss %.4f  test accuracy %.4f  %.1f samples/s  peak RSS %.1f MiB\n",

@@ -132,7 +132,7 @@ class Group {
   /// An empty options.bind_address becomes DTRAIN_BIND_ADDR if set, else the address of the
   /// local interface that routes to MASTER_ADDR (127.0.0.1 when the master is local).
   /// RANK and WORLD_SIZE may come from Open MPI (OMPI_COMM_WORLD_RANK, _SIZE), PMIx
-  /// (PMIX_RANK) or Slurm (SLURM_PROCID, SLURM_NTASKS) instead.
+  /// (PMIX_RANK), MPICH's PMI (PMI_RANK, PMI_SIZE) or Slurm (SLURM_PROCID, SLURM_NTASKS) instead.
   static Group from_env(GroupOptions options = {});
   /// Joins MPI_COMM_WORLD (a job started by mpirun or srun) with transport "mpi": rank and size
   /// from MPI, a store served by rank 0 (its address, MASTER_ADDR if set, and a fresh secret
