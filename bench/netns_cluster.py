@@ -59,48 +59,41 @@ def env(extra=None):
     return e
 
 
-def train(args, tmp):
+def compare(args, tmp, kind, how, distributed):
+    """Each job on one host with dtrain's launcher against `distributed(job, save_path)` (a
+    shell command and its environment), compared by `dtrain diff` with the 1e-5 limit."""
     world = args.hosts * args.per_host
     rows = []
     for name, job in JOBS.items():
         job = job.format(world=world, half=world // 2)
-        ref, dist = os.path.join(tmp, name + "-one.dtm"), os.path.join(tmp, name + "-hosts.dtm")
+        ref, dist = os.path.join(tmp, name + "-one.dtm"), os.path.join(tmp, f"{name}-{kind}.dtm")
         rc, out = sh(f"{args.dtrain} train {job} --progress=false --save {ref}")
         if rc != 0:
             sys.exit(f"{name} on one host failed:\n{out[-3000:]}")
-        rc, out = sh(cluster(args, f"{args.dtrain} train {job} --progress=false --save {dist}", 29631), env())
+        cmd, cmd_env = distributed(job, dist)
+        rc, out = sh(cmd, cmd_env)
         if rc != 0:
-            sys.exit(f"{name} across hosts failed:\n{out[-3000:]}")
+            sys.exit(f"{name} ({how}) failed:\n{out[-3000:]}")
         rc, out = sh(f"{args.dtrain} diff --quiet --tol 1e-5 {ref} {dist}")
-        line = out.strip().splitlines()[-1]
-        max_rel = float(line.split("max_rel")[1].split()[0])
+        max_rel = float(out.strip().splitlines()[-1].split("max_rel")[1].split()[0])
         rows.append({"job": name, "args": job, "max_rel": max_rel, "within": rc == 0})
-        print(f"train {name:10s} {args.hosts} hosts x {args.per_host} vs one host: max_rel {max_rel:.3e} "
-              f"{'WITHIN' if rc == 0 else 'EXCEEDS'} 1e-5", flush=True)
+        print(f"{kind:5s} {name:10s} {how} vs one host: max_rel {max_rel:.3e} {'WITHIN' if rc == 0 else 'EXCEEDS'} "
+              "1e-5", flush=True)
     return rows
+
+
+def train(args, tmp):
+    return compare(args, tmp, "hosts", f"{args.hosts} hosts x {args.per_host}", lambda job, dist: (
+        cluster(args, f"{args.dtrain} train {job} --progress=false --save {dist}", 29631), env()))
 
 
 def mpi(args, tmp):
     """The same jobs started by mpirun with --backend mpi (one host: mpirun cannot reach into
-    the namespaces), each against the launcher's run."""
+    the namespaces)."""
     world = args.hosts * args.per_host
     mpirun = "mpirun --allow-run-as-root --oversubscribe --bind-to none"
-    rows = []
-    for name, job in JOBS.items():
-        job = job.format(world=world, half=world // 2)
-        ref, dist = os.path.join(tmp, name + "-one.dtm"), os.path.join(tmp, name + "-mpi.dtm")
-        rc, out = sh(f"{args.dtrain} train {job} --progress=false --save {ref}")
-        if rc != 0:
-            sys.exit(f"{name} with the launcher failed:\n{out[-3000:]}")
-        rc, out = sh(f"{mpirun} -np {world} {args.dtrain} train --backend mpi {job} --progress=false --save {dist}")
-        if rc != 0:
-            sys.exit(f"{name} under mpirun failed:\n{out[-3000:]}")
-        rc, out = sh(f"{args.dtrain} diff --quiet --tol 1e-5 {ref} {dist}")
-        max_rel = float(out.strip().splitlines()[-1].split("max_rel")[1].split()[0])
-        rows.append({"job": name, "args": job, "max_rel": max_rel, "within": rc == 0})
-        print(f"mpi   {name:10s} mpirun -np {world} --backend mpi vs dtrain launch: max_rel {max_rel:.3e} "
-              f"{'WITHIN' if rc == 0 else 'EXCEEDS'} 1e-5", flush=True)
-    return rows
+    return compare(args, tmp, "mpi", f"mpirun -np {world} --backend mpi", lambda job, dist: (
+        f"{mpirun} -np {world} {args.dtrain} train --backend mpi {job} --progress=false --save {dist}", None))
 
 
 def allreduce(args, tmp):

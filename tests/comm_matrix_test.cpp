@@ -120,29 +120,31 @@ class CollectiveMatrix : public ::testing::TestWithParam<Param> {
     FAIL() << what << ": element " << i << " is " << (got) << ", expected " << (want); \
   }
 
-TEST_P(CollectiveMatrix, AllReduceEveryDtypeOpAndPlacement) {
-  const int p = GetParam().world;
-  run_ranks(p, [&](Group& g) {
-    const int r = g.rank();
-    for (DataType t : kTypes) {
-      for (ReduceOp op : kOps) {
-        for (size_t n : counts_for(t)) {
-          if (n > 4099 && op != ReduceOp::sum && op != ReduceOp::max) continue;
-          for (bool in_place : {false, true}) {
-            auto send = buffer(n, t), recv = buffer(n, t);
-            for (size_t i = 0; i < n; ++i) put(send, i, t, input(op, r, p, i));
-            g.all_reduce(send.data(), in_place ? send.data() : recv.data(), n, t, op);
-            const auto& out = in_place ? send : recv;
-            for (size_t i = 0; i < n; ++i) {
-              EXPECT_ELEMENT(get(out, i, t), expected(op, p, i),
-                             fmt::format("all_reduce {} {} n={} {} rank {}", name_of(t), name_of(op), n,
-                                         in_place ? "in place" : "out of place", r));
-            }
+// all_reduce of every dtype x op x count, in and out of place, checked exactly on this rank.
+void all_reduce_every_dtype_and_op(Group& g, const char* what) {
+  const int r = g.rank(), p = g.size();
+  for (DataType t : kTypes) {
+    for (ReduceOp op : kOps) {
+      for (size_t n : counts_for(t)) {
+        if (n > 4099 && op != ReduceOp::sum && op != ReduceOp::max) continue;
+        for (bool in_place : {false, true}) {
+          auto send = buffer(n, t), recv = buffer(n, t);
+          for (size_t i = 0; i < n; ++i) put(send, i, t, input(op, r, p, i));
+          g.all_reduce(send.data(), in_place ? send.data() : recv.data(), n, t, op);
+          const auto& out = in_place ? send : recv;
+          for (size_t i = 0; i < n; ++i) {
+            EXPECT_ELEMENT(get(out, i, t), expected(op, p, i),
+                           fmt::format("{} {} {} n={} {} rank {}", what, name_of(t), name_of(op), n,
+                                       in_place ? "in place" : "out of place", r));
           }
         }
       }
     }
-  }, options());
+  }
+}
+
+TEST_P(CollectiveMatrix, AllReduceEveryDtypeOpAndPlacement) {
+  run_ranks(GetParam().world, [&](Group& g) { all_reduce_every_dtype_and_op(g, "all_reduce"); }, options());
 }
 
 TEST_P(CollectiveMatrix, ReduceScatterAndAllGather) {
@@ -319,24 +321,7 @@ TEST_P(HierarchicalAllReduce, EveryDtypeAndOpIsExactOnEveryRank) {
         EXPECT_EQ(g.transport_kind(), "tcp");
         EXPECT_EQ(g.all_reduce_algorithm(size_t{1} << 20), shaped ? Algorithm::hierarchical : Algorithm::ring);
         EXPECT_EQ(g.all_reduce_algorithm(4096), shaped ? Algorithm::hierarchical : Algorithm::recursive_doubling);
-        for (DataType t : kTypes) {
-          for (ReduceOp op : kOps) {
-            for (size_t n : counts_for(t)) {
-              if (n > 4099 && op != ReduceOp::sum && op != ReduceOp::max) continue;
-              for (bool in_place : {false, true}) {
-                auto send = buffer(n, t), recv = buffer(n, t);
-                for (size_t i = 0; i < n; ++i) put(send, i, t, input(op, r, p, i));
-                g.all_reduce(send.data(), in_place ? send.data() : recv.data(), n, t, op);
-                const auto& out = in_place ? send : recv;
-                for (size_t i = 0; i < n; ++i) {
-                  EXPECT_ELEMENT(get(out, i, t), expected(op, p, i),
-                                 fmt::format("hier all_reduce {} {} n={} {} rank {}", name_of(t), name_of(op), n,
-                                             in_place ? "in place" : "out of place", r));
-                }
-              }
-            }
-          }
-        }
+        all_reduce_every_dtype_and_op(g, "hier all_reduce");
         // Vectors large enough to go in pipelined segments (12 MB: 5), in and out of place.
         for (bool in_place : {false, true}) {
           const size_t n = 3000017;
