@@ -444,7 +444,11 @@ struct Group::Impl {
     sub.algorithm = Algorithm::direct;
     Group local = Group::create(store, h.local_rank, h.local_size, sub, fmt::format("{}/hier/host{}", name, h.host));
     sub.transport = "tcp";
-    sub.algorithm = Algorithm::automatic;
+    // The ring between hosts: one stream per link and direction. Halving-doubling (auto's
+    // choice for the pieces of 512 KiB segments) ran both local ranks' exchanges at once over
+    // the same rate-limited links and stalled on retransmissions (4 MiB: 113 ms, p99 283 ms,
+    // against 64 ms for the flat ring; bench/netns_cluster.py).
+    sub.algorithm = Algorithm::ring;
     Group cross = Group::create(store, h.host, h.hosts, sub, fmt::format("{}/hier/local{}", name, h.local_rank));
     std::lock_guard<std::mutex> lock(h.mu);
     h.local = std::move(local);
