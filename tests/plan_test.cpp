@@ -301,9 +301,9 @@ TEST(PlanCalibration, RoundTripsAndRejectsOtherFiles) {
   c.put(e);  // replaces the entry of the same key
   const Calibration back = calibration_from_json(to_json(c), "test");
   ASSERT_EQ(back.kernels.size(), 1u);
-  ASSERT_NE(back.find(e.model, 8, 1, 1), nullptr);
-  EXPECT_EQ(back.find(e.model, 8, 1, 1)->times.forward, e.times.forward);
-  EXPECT_EQ(back.find(e.model, 4, 1, 1), nullptr);
+  ASSERT_NE(back.find(e.model, 8, 1, 1, 1), nullptr);
+  EXPECT_EQ(back.find(e.model, 8, 1, 1, 1)->times.forward, e.times.forward);
+  EXPECT_EQ(back.find(e.model, 4, 1, 1, 1), nullptr);
   EXPECT_DOUBLE_EQ(back.tcp.alpha_s, 2e-5);
   nlohmann::json j = to_json(c);
   j["version"] = 99;

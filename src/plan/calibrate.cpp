@@ -161,16 +161,30 @@ double measure_optimizer(const train::TrainConfig& cfg, int64_t params) {
   return median(t) / static_cast<double>(params);
 }
 
-const KernelEntry* Calibration::find(const std::string& model, int64_t rows, int tp, int threads) const {
+namespace {
+bool same_key(const KernelEntry& a, const KernelEntry& b) {
+  return a.model == b.model && a.rows == b.rows && a.tp == b.tp && a.threads == b.threads &&
+         a.concurrency == b.concurrency;
+}
+}  // namespace
+
+const KernelEntry* Calibration::find(const std::string& model, int64_t rows, int tp, int threads,
+                                     int concurrency) const {
+  KernelEntry key;
+  key.model = model;
+  key.rows = rows;
+  key.tp = tp;
+  key.threads = threads;
+  key.concurrency = concurrency;
   for (const KernelEntry& e : kernels) {
-    if (e.model == model && e.rows == rows && e.tp == tp && e.threads == threads) return &e;
+    if (same_key(e, key)) return &e;
   }
   return nullptr;
 }
 
 void Calibration::put(KernelEntry entry) {
   for (KernelEntry& e : kernels) {
-    if (e.model == entry.model && e.rows == entry.rows && e.tp == entry.tp && e.threads == entry.threads) {
+    if (same_key(e, entry)) {
       e = std::move(entry);
       return;
     }
@@ -194,6 +208,7 @@ nlohmann::json to_json(const Calibration& c) {
                             {"rows", e.rows},
                             {"tp", e.tp},
                             {"threads", e.threads},
+                            {"concurrency", e.concurrency},
                             {"forward_s", e.times.forward},
                             {"backward_s", e.times.backward},
                             {"act_bytes", e.act_bytes}});
@@ -221,6 +236,7 @@ Calibration calibration_from_json(const nlohmann::json& j, const std::string& wh
       e.rows = k.at("rows").get<int64_t>();
       e.tp = k.at("tp").get<int>();
       e.threads = k.at("threads").get<int>();
+      e.concurrency = k.at("concurrency").get<int>();
       e.times.forward = k.at("forward_s").get<std::vector<double>>();
       e.times.backward = k.at("backward_s").get<std::vector<double>>();
       e.act_bytes = k.at("act_bytes").get<std::vector<double>>();

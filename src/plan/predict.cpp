@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "dtrain/core/error.h"
 #include "dtrain/plan/plan.h"
@@ -53,7 +54,10 @@ void check_layout(const ModelSpec& model, const Layout& l, int64_t batch) {
 
 namespace {
 
-// Which link each axis's communication uses, and how many flows share a host's link at once.
+// Which link each axis's communication uses. Tensor- and data-parallel groups that span hosts
+// put flows on the host links, per stage (they share the links in the simulation); pipeline
+// sends between stages on different hosts share them statically (as many at once as ranks of
+// the stage on a host).
 struct AxisLink {
   LinkCost link;
   bool crosses = false;
@@ -61,63 +65,79 @@ struct AxisLink {
 
 struct Links {
   AxisLink tp, pp, dp;
+  std::vector<std::vector<int>> tp_flows, dp_flows;  // [stage][host]
 };
 
 int mesh_rank(const Layout& l, int d, int s, int t) { return (d * l.pp + s) * l.tp + t; }
-
-AxisLink axis_link(const Hardware& hw, bool crosses, int flows) {
-  AxisLink a;
-  a.crosses = crosses;
-  a.link = crosses ? hw.inter : hw.intra;
-  if (crosses) a.link.beta_wire *= std::max(1, flows);
-  return a;
-}
 
 Links links_of(const Hardware& hw, const Layout& l) {
   const int g = std::max(1, hw.ranks_per_host);
   auto host = [&](int r) { return r / g; };
   const int hosts = (l.world() + g - 1) / g;
-  // flows[h]: per host, the most concurrent crossing flows of one operation.
-  std::vector<int> tp_flows(static_cast<size_t>(hosts), 0), pp_flows, dp_flows;
+  Links out;
+  out.tp_flows.assign(static_cast<size_t>(l.pp), std::vector<int>(static_cast<size_t>(hosts), 0));
+  out.dp_flows = out.tp_flows;
+  // A ring whose ranks on a host are consecutive adds one flow to that host's link; a group's
+  // flows count on every host it has ranks on.
+  auto count = [&](std::vector<int>& flows, const std::vector<int>& ranks) {
+    if (host(ranks.front()) == host(ranks.back())) return false;
+    int last = -1;  // ranks ascend, so a host's ranks are consecutive here
+    for (int r : ranks) {
+      if (host(r) != last) ++flows[static_cast<size_t>(host(r))];
+      last = host(r);
+    }
+    return true;
+  };
   bool tp_cross = false, pp_cross = false, dp_cross = false;
-  for (int d = 0; d < l.dp; ++d) {
-    for (int s = 0; s < l.pp; ++s) {
-      const int first = mesh_rank(l, d, s, 0), last = mesh_rank(l, d, s, l.tp - 1);
-      if (host(first) == host(last)) continue;
-      tp_cross = true;
-      for (int h = host(first); h <= host(last); ++h) ++tp_flows[static_cast<size_t>(h)];
+  for (int s = 0; s < l.pp; ++s) {
+    for (int d = 0; d < l.dp; ++d) {
+      std::vector<int> ranks;
+      for (int t = 0; t < l.tp; ++t) ranks.push_back(mesh_rank(l, d, s, t));
+      tp_cross = count(out.tp_flows[static_cast<size_t>(s)], ranks) || tp_cross;
+    }
+    for (int t = 0; t < l.tp; ++t) {
+      std::vector<int> ranks;
+      for (int d = 0; d < l.dp; ++d) ranks.push_back(mesh_rank(l, d, s, t));
+      dp_cross = count(out.dp_flows[static_cast<size_t>(s)], ranks) || dp_cross;
     }
   }
-  int tp_max = 0, pp_max = 0, dp_max = 0;
-  for (int f : tp_flows) tp_max = std::max(tp_max, f);
-  // Pipeline sends from stage s to s + 1 run at once on the tp x dp ranks of stage s.
+  int pp_max = 0;
   for (int s = 0; s + 1 < l.pp; ++s) {
-    std::vector<int> out(static_cast<size_t>(hosts), 0);
+    std::vector<int> sending(static_cast<size_t>(hosts), 0);
     for (int d = 0; d < l.dp; ++d) {
       for (int t = 0; t < l.tp; ++t) {
         const int r = mesh_rank(l, d, s, t), n = mesh_rank(l, d, s + 1, t);
         if (host(r) == host(n)) continue;
         pp_cross = true;
-        pp_max = std::max(pp_max, ++out[static_cast<size_t>(host(r))]);
+        pp_max = std::max(pp_max, ++sending[static_cast<size_t>(host(r))]);
       }
     }
   }
-  // Gradient all-reduces of one stage run at once over its tp shards' groups; a ring group
-  // whose ranks on a host are consecutive adds one flow to that host's link.
-  for (int s = 0; s < l.pp; ++s) {
-    std::vector<int> flows(static_cast<size_t>(hosts), 0);
-    for (int t = 0; t < l.tp; ++t) {
-      const int first = mesh_rank(l, 0, s, t), last = mesh_rank(l, l.dp - 1, s, t);
-      if (host(first) == host(last)) continue;
-      dp_cross = true;
-      std::vector<bool> seen(static_cast<size_t>(hosts), false);
-      for (int d = 0; d < l.dp; ++d) seen[static_cast<size_t>(host(mesh_rank(l, d, s, t)))] = true;
-      for (int h = 0; h < hosts; ++h) {
-        if (seen[static_cast<size_t>(h)]) dp_max = std::max(dp_max, ++flows[static_cast<size_t>(h)]);
-      }
+  // Hosts whose links carry the same flows of every stage behave alike: keep one of each kind
+  // (with one device per host, thousands of hosts become a few kinds).
+  std::map<std::vector<int>, int> kinds;
+  for (int h = 0; h < hosts; ++h) {
+    std::vector<int> column;
+    for (int s = 0; s < l.pp; ++s) {
+      column.push_back(out.tp_flows[static_cast<size_t>(s)][static_cast<size_t>(h)]);
+      column.push_back(out.dp_flows[static_cast<size_t>(s)][static_cast<size_t>(h)]);
+    }
+    if (std::any_of(column.begin(), column.end(), [](int f) { return f > 0; })) kinds.emplace(column, 0);
+  }
+  for (auto& flows : {&out.tp_flows, &out.dp_flows}) {
+    for (auto& per_stage : *flows) per_stage.clear();
+  }
+  for (const auto& [column, unused] : kinds) {
+    for (int s = 0; s < l.pp; ++s) {
+      out.tp_flows[static_cast<size_t>(s)].push_back(column[2 * static_cast<size_t>(s)]);
+      out.dp_flows[static_cast<size_t>(s)].push_back(column[2 * static_cast<size_t>(s) + 1]);
     }
   }
-  return Links{axis_link(hw, tp_cross, tp_max), axis_link(hw, pp_cross, pp_max), axis_link(hw, dp_cross, dp_max)};
+  out.tp = AxisLink{tp_cross ? hw.inter : hw.intra, tp_cross};
+  out.dp = AxisLink{dp_cross ? hw.inter : hw.intra, dp_cross};
+  out.pp = AxisLink{pp_cross ? hw.inter : hw.intra, pp_cross};
+  if (pp_cross) out.pp.link.beta_wire *= pp_max;
+  return out;
 }
 
 // Bytes of optimizer state per parameter (f32), beside a mixed-precision master copy.
@@ -217,6 +237,8 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
     const double owned = l.zero > 0 ? params / l.dp : params;
     st.optimizer = hw.optimizer_s_per_param * owned;
     st.demand = static_cast<double>(l.tp) * l.dp * std::max(1, hw.threads);
+    if (links.tp.crosses) st.tp_flows = links.tp_flows[static_cast<size_t>(s)];
+    if (links.dp.crosses) st.dp_flows = links.dp_flows[static_cast<size_t>(s)];
     sim.stages.push_back(st);
 
     // Memory of one rank of the stage.

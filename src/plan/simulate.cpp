@@ -29,16 +29,26 @@ struct Op {
   bool busy = false;  // forward or backward compute
 };
 
-// What a lane is doing: cpu work left (progressing at the sharing rate) and a time before which
-// it cannot finish (latency and wire); both must run out.
+// What a lane is doing: after `latency` (a pure wait), cpu work left (progressing at the cores'
+// sharing rate) and wire time left (progressing at the host links' sharing rate); both must run
+// out. `flows` names the host links the wire time uses, (link, flows) pairs (null: none shared).
+using Flows = std::vector<std::pair<size_t, int>>;
+
 struct Activity {
   bool active = false;
   double cpu = 0.0;
-  double until = 0.0;
-  bool done(double t) const { return cpu <= kEps && until <= t + kEps; }
+  double wire = 0.0;
+  double latency_until = 0.0;
+  const Flows* flows = nullptr;
+  bool started(double t) const { return latency_until <= t + kEps; }
+  bool done(double t) const { return started(t) && cpu <= kEps && wire <= kEps; }
+  bool wants_cpu(double t) const { return active && started(t) && cpu > kEps; }
+  bool wants_wire(double t) const { return active && started(t) && wire > kEps; }
 };
 
-Activity start(const Cost& c, double t) { return Activity{true, c.cpu, t + c.latency + c.wire}; }
+Activity start(const Cost& c, double t, const Flows* flows) {
+  return Activity{true, c.cpu, c.wire, t + c.latency, flows};
+}
 
 struct Lane {
   std::vector<Op> program;
@@ -141,6 +151,20 @@ SimResult simulate_step(const SimConfig& cfg) {
   SimResult result;
   result.stages.assign(static_cast<size_t>(P), {});
   std::vector<bool> finished(static_cast<size_t>(P), false);
+  // Each stage's host-link flows as (link, flows) pairs.
+  size_t hosts = 0;
+  std::vector<Flows> dp_flows(static_cast<size_t>(P)), tp_flows(static_cast<size_t>(P));
+  for (int s = 0; s < P; ++s) {
+    const SimStage& st = cfg.stages[static_cast<size_t>(s)];
+    for (size_t h = 0; h < st.dp_flows.size(); ++h) {
+      if (st.dp_flows[h] > 0) dp_flows[static_cast<size_t>(s)].emplace_back(h, st.dp_flows[h]);
+    }
+    for (size_t h = 0; h < st.tp_flows.size(); ++h) {
+      if (st.tp_flows[h] > 0) tp_flows[static_cast<size_t>(s)].emplace_back(h, st.tp_flows[h]);
+    }
+    hosts = std::max({hosts, st.dp_flows.size(), st.tp_flows.size()});
+  }
+  std::vector<int> load(hosts, 0);
 
   auto send = [](Link& link, int seq, const Cost& c, double t) {
     const double begin = std::max(t, link.free_at);
@@ -170,10 +194,13 @@ SimResult simulate_step(const SimConfig& cfg) {
       const Op& op = lane.program[lane.pc];
       switch (op.kind) {
         case OpKind::compute:
-          lane.act = Activity{true, op.cpu, t};
+          lane.act = Activity{true, op.cpu, 0.0, t, nullptr};
           break;
         case OpKind::comm:
-          lane.act = start(op.cost, t);
+          // The ZeRO all-gather runs over the data-parallel group; the rest over the tensor-parallel one.
+          lane.act = start(op.cost, t,
+                           op.category == Category::gather ? &dp_flows[static_cast<size_t>(s)]
+                                                           : &tp_flows[static_cast<size_t>(s)]);
           break;
         case OpKind::recv_activation:
         case OpKind::recv_gradient: {
@@ -229,7 +256,7 @@ SimResult simulate_step(const SimConfig& cfg) {
         moved = true;
       }
       if (d.queue.empty()) return moved;
-      d.act = start(d.queue.front(), t);
+      d.act = start(d.queue.front(), t, &dp_flows[static_cast<size_t>(s)]);
       d.queue.pop_front();
       moved = true;
     }
@@ -248,14 +275,37 @@ SimResult simulate_step(const SimConfig& cfg) {
     double demand = 0.0;
     for (int s = 0; s < P; ++s) {
       const double d = cfg.stages[static_cast<size_t>(s)].demand;
-      if (lanes[static_cast<size_t>(s)].act.active && lanes[static_cast<size_t>(s)].act.cpu > kEps) demand += d;
-      if (dp[static_cast<size_t>(s)].act.active && dp[static_cast<size_t>(s)].act.cpu > kEps) demand += d;
+      if (lanes[static_cast<size_t>(s)].act.wants_cpu(t)) demand += d;
+      if (dp[static_cast<size_t>(s)].act.wants_cpu(t)) demand += d;
     }
     const double rate = cfg.cores > 0 && demand > cfg.cores ? cfg.cores / demand : 1.0;
+    // Flows on every host's link; an activity's wire time runs at 1 / (the most flows on a link
+    // it uses).
+    std::fill(load.begin(), load.end(), 0);
+    auto add_load = [&](const Activity& a) {
+      if (a.flows == nullptr || !a.wants_wire(t)) return;
+      for (const auto& [h, f] : *a.flows) load[h] += f;
+    };
+    for (int s = 0; s < P; ++s) {
+      add_load(lanes[static_cast<size_t>(s)].act);
+      add_load(dp[static_cast<size_t>(s)].act);
+    }
+    auto wire_rate = [&](const Activity& a) {
+      int most = 1;
+      if (a.flows != nullptr) {
+        for (const auto& [h, f] : *a.flows) most = std::max(most, load[h]);
+      }
+      return 1.0 / most;
+    };
     double next = kInf;
     auto consider = [&](const Activity& a) {
       if (!a.active) return;
-      next = std::min(next, a.cpu > kEps ? t + a.cpu / rate : a.until);
+      if (!a.started(t)) {
+        next = std::min(next, a.latency_until);
+        return;
+      }
+      if (a.cpu > kEps) next = std::min(next, t + a.cpu / rate);
+      if (a.wire > kEps) next = std::min(next, t + a.wire / wire_rate(a));
     };
     for (int s = 0; s < P; ++s) {
       const Lane& lane = lanes[static_cast<size_t>(s)];
@@ -268,9 +318,11 @@ SimResult simulate_step(const SimConfig& cfg) {
     for (int s = 0; s < P; ++s) {
       Lane& lane = lanes[static_cast<size_t>(s)];
       SimStageResult& r = result.stages[static_cast<size_t>(s)];
-      if (lane.act.active && lane.act.cpu > kEps) lane.act.cpu = std::max(0.0, lane.act.cpu - rate * dt);
-      Activity& da = dp[static_cast<size_t>(s)].act;
-      if (da.active && da.cpu > kEps) da.cpu = std::max(0.0, da.cpu - rate * dt);
+      for (Activity* a : {&lane.act, &dp[static_cast<size_t>(s)].act}) {
+        const double w = wire_rate(*a);
+        if (a->wants_cpu(t)) a->cpu = std::max(0.0, a->cpu - rate * dt);
+        if (a->wants_wire(t)) a->wire = std::max(0.0, a->wire - w * dt);
+      }
       if (finished[static_cast<size_t>(s)]) continue;
       const Op& op = lane.program[std::min(lane.pc, lane.program.size() - 1)];
       switch (op.category) {

@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
     if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
     if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
-    if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts);
+    if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts, std::vector<std::string>(argv, argv + argc));
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
     return 2;

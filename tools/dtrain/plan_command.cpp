@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -65,8 +66,29 @@ nlohmann::json bench_link(const std::string& transport) {
   return j;
 }
 
+double epoch_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// What one probe process measured: the layout's kernels and the optimizer.
+nlohmann::json probe_kernels(const train::TrainConfig& cfg, int64_t rows, int tp, double at) {
+  std::this_thread::sleep_for(std::chrono::duration<double>(std::max(0.0, at - epoch_seconds())));
+  const plan::KernelEntry e = plan::measure_kernels(cfg, rows, tp);
+  const plan::ModelSpec spec = plan::model_of(cfg);
+  return {{"forward_s", e.times.forward},
+          {"backward_s", e.times.backward},
+          {"act_bytes", e.act_bytes},
+          {"optimizer_s_per_param", plan::measure_optimizer(cfg, std::max<int64_t>(spec.params(), 1 << 20))}};
+}
+
+std::string quoted(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
 plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l, int64_t batch,
-                            plan::Calibration cal) {
+                            const std::vector<std::string>& argv, plan::Calibration cal) {
   std::fprintf(stderr, "dtrain plan: calibrating: ping-pong over shared memory and TCP, kernels of the model...\n");
   const nlohmann::json shm = bench_link("shm");
   const nlohmann::json tcp = bench_link("tcp");
@@ -75,15 +97,70 @@ plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l
   cal.gamma_s_per_byte = shm.at("gamma_ns_per_byte").get<double>() * 1e-9;
   cal.copy_s_per_byte = 1e-9 / shm.at("memcpy_GBs").get<double>();
   cal.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int64_t rows = batch / (l.dp * l.accumulate * l.micro_batches);
+  // One process alone on the whole batch: T(1), and the FLOP rate for shapes not measured.
   plan::KernelEntry single = plan::measure_kernels(cfg, batch, 1);
-  if (rows != batch || l.tp != 1) cal.put(plan::measure_kernels(cfg, rows, l.tp));
   const plan::ModelSpec spec = plan::model_of(cfg);
   double t = 0;
   for (size_t i = 0; i < single.times.forward.size(); ++i) t += single.times.forward[i] + single.times.backward[i];
   cal.flops_per_s = 3.0 * spec.flops_per_sample() * static_cast<double>(batch) / t;
+  // The layout's kernels as its ranks see them: as many processes measuring at once as the run
+  // keeps cores busy (they share caches and memory bandwidth; beyond the cores the simulation
+  // shares the cores themselves).
+  const int threads = std::max(1, cfg.threads);
+  const int k = std::max(1, std::min(cal.cores, l.world() * threads) / threads);
+  const int64_t rows = batch / (l.dp * l.accumulate * l.micro_batches);
+  const double at = epoch_seconds() + 0.5;
+  std::vector<std::string> files;
+  std::string cmd;
+  for (int i = 1; i < k; ++i) {
+    char path[] = "/tmp/dtrain-probe-XXXXXX";
+    const int fd = ::mkstemp(path);
+    DT_CHECK(fd >= 0, "plan", "cannot create a temporary file in /tmp");
+    ::close(fd);
+    files.emplace_back(path);
+    cmd += quoted(self_path());
+    for (size_t a = 1; a < argv.size(); ++a) cmd += " " + quoted(argv[a]);
+    cmd += fmt::format(" --kernel-probe {} --kernel-probe-at {:.3f} >/dev/null 2>&1 & ", path, at);
+  }
+  int rc = 0;
+  std::thread others([&] {
+    if (!cmd.empty()) rc = std::system((cmd + "wait").c_str());
+  });
+  nlohmann::json mine;
+  try {
+    mine = probe_kernels(cfg, rows, l.tp, at);
+  } catch (...) {
+    others.join();
+    throw;
+  }
+  others.join();
+  std::vector<nlohmann::json> probes{mine};
+  for (const std::string& f : files) {
+    std::ifstream in(f);
+    probes.push_back(nlohmann::json::parse(in, nullptr, false));
+    std::remove(f.c_str());
+    DT_CHECK(rc == 0 && probes.back().is_object(), "plan", "calibration: a kernel probe process failed ({})", rc);
+  }
+  plan::KernelEntry e;
+  e.model = train::model_metadata(cfg);
+  e.rows = rows;
+  e.tp = l.tp;
+  e.threads = threads;
+  e.concurrency = k;
+  const size_t n = mine["forward_s"].size();
+  e.times.forward.assign(n, 0.0);
+  e.times.backward.assign(n, 0.0);
+  e.act_bytes = mine["act_bytes"].get<std::vector<double>>();
+  cal.optimizer_s_per_param = 0;
+  for (const nlohmann::json& p : probes) {
+    for (size_t i = 0; i < n; ++i) {
+      e.times.forward[i] += p["forward_s"][i].get<double>() / static_cast<double>(probes.size());
+      e.times.backward[i] += p["backward_s"][i].get<double>() / static_cast<double>(probes.size());
+    }
+    cal.optimizer_s_per_param += p["optimizer_s_per_param"].get<double>() / static_cast<double>(probes.size());
+  }
   cal.put(std::move(single));
-  cal.optimizer_s_per_param = plan::measure_optimizer(cfg, std::max<int64_t>(spec.params(), 1 << 20));
+  cal.put(std::move(e));
   return cal;
 }
 
@@ -204,6 +281,9 @@ void add_plan_options(CLI::App& app, PlanOptions& o) {
   app.add_option("--link-efficiency", o.link_efficiency,
                  "payload fraction of the link's rate (default: TCP over Ethernet with MTU 1500, 1448/1514)")
       ->capture_default_str();
+  app.add_option("--link-cpu-ns-per-byte", o.link_cpu_ns_per_byte,
+                 "core time a byte sent between hosts costs, sender and receiver together (default: TCP's on "
+                 "loopback, calibrated); hosts emulated on one machine share its cores with their network path");
   app.add_option("--intra-gbps", o.intra_gbps, "with --device-flops: bandwidth between devices of a host, Gbit/s")
       ->capture_default_str();
   app.add_option("--intra-latency-us", o.intra_latency_us, "with --device-flops: latency within a host, us")
@@ -217,9 +297,11 @@ void add_plan_options(CLI::App& app, PlanOptions& o) {
                  "calibration JSON: read it, or with --calibrate write the measurements into it");
   app.add_flag("--json", o.json, "print the prediction (or the ranking) as JSON");
   app.add_option("--top", o.top, "layouts to list when searching")->capture_default_str();
+  app.add_option("--kernel-probe", o.kernel_probe)->group("");  // internal (calibrate)
+  app.add_option("--kernel-probe-at", o.kernel_probe_at)->group("");
 }
 
-int run_plan(CLI::App& app, PlanOptions& o) {
+int run_plan(CLI::App& app, PlanOptions& o, const std::vector<std::string>& argv) {
   train::apply_config_file(app, o.train);
   train::TrainConfig& cfg = o.train;
   const auto given = [&](const char* flag) { return cfg.given.count(flag) > 0; };
@@ -289,6 +371,11 @@ int run_plan(CLI::App& app, PlanOptions& o) {
     plan::check_layout(model, layout, cfg.batch_size);
     if (!cfg.stages.empty()) layout.stages = parallel::parse_stages(cfg.stages, model.blocks.size(), layout.pp);
   }
+  if (!o.kernel_probe.empty()) {  // a copy started by calibrate()
+    const int64_t rows = cfg.batch_size / (layout.dp * layout.accumulate * layout.micro_batches);
+    std::ofstream(o.kernel_probe) << probe_kernels(cfg, rows, layout.tp, o.kernel_probe_at).dump() << "\n";
+    return 0;
+  }
   const int world = searching ? o.devices : layout.world();
   DT_CHECK(o.hosts <= world, "plan", "--hosts {} but only {} ranks", o.hosts, world);
   DT_CHECK(o.hosts == 0 || world % o.hosts == 0, "plan", "{} ranks do not split evenly over --hosts {}", world,
@@ -330,7 +417,7 @@ int run_plan(CLI::App& app, PlanOptions& o) {
     if (o.calibrate) {
       DT_CHECK(!by_params, "plan", "--calibrate times dtrain's own models; with --params give --device-flops");
       DT_CHECK(!searching, "plan", "--calibrate measures the kernels of one layout; give --dp/--pp/--tp");
-      cal = calibrate(cfg, layout, cfg.batch_size, cal);
+      cal = calibrate(cfg, layout, cfg.batch_size, argv, cal);
       if (!o.calibration.empty()) plan::save_calibration(cal, o.calibration);
     }
     hw.device_flops = cal.flops_per_s * o.flops_efficiency;
@@ -340,28 +427,25 @@ int run_plan(CLI::App& app, PlanOptions& o) {
     hw.intra = plan::LinkCost{
         cal.shm.alpha_s, 0.0, cal.shm.beta_s_per_byte, cal.gamma_s_per_byte, cal.copy_s_per_byte, true, false};
     const double lat = (o.link_latency_us < 0 ? 0.0 : o.link_latency_us) * 1e-6;
-    hw.inter = plan::LinkCost{cal.tcp.alpha_s + lat,
-                              gbps > 0 ? 8.0 / (gbps * 1e9 * o.link_efficiency) : 0.0,
-                              cal.tcp.beta_s_per_byte,
-                              cal.gamma_s_per_byte,
-                              cal.copy_s_per_byte,
-                              false,
-                              false};
+    const double tcp_cpu = o.link_cpu_ns_per_byte >= 0 ? o.link_cpu_ns_per_byte * 1e-9 : cal.tcp.beta_s_per_byte;
+    hw.inter = plan::LinkCost{cal.tcp.alpha_s + lat, gbps > 0 ? 8.0 / (gbps * 1e9 * o.link_efficiency) : 0.0, tcp_cpu,
+                              cal.gamma_s_per_byte, cal.copy_s_per_byte, false, false};
     if (!by_params && !searching) {
       const std::string meta = train::model_metadata(cfg);
       const int64_t rows = cfg.batch_size / (layout.dp * layout.accumulate * layout.micro_batches);
-      kernels = cal.find(meta, rows, layout.tp, cfg.threads);
-      single = cal.find(meta, cfg.batch_size, 1, cfg.threads);
+      const int threads = std::max(1, cfg.threads);
+      const int concurrency = std::max(1, std::min(cal.cores, layout.world() * threads) / threads);
+      kernels = cal.find(meta, rows, layout.tp, threads, concurrency);
+      single = cal.find(meta, cfg.batch_size, 1, threads, 1);
     }
     machine = fmt::format(
         "{} ranks on {:.3g} cores, {} per host; compute: {}; shared memory alpha {:.2f} us, beta {:.3f} ns/B; TCP "
-        "alpha "
-        "{:.1f} us, beta {:.3f} ns/B{}",
+        "alpha {:.1f} us, beta {:.3f} ns/B, {:.3f} ns/B of core time between hosts{}",
         world, hw.cores, hw.ranks_per_host,
         kernels ? "this machine's kernels for these blocks"
                 : fmt::format("{:.3g} FLOP/s (calibrated)", hw.device_flops),
         cal.shm.alpha_s * 1e6, cal.shm.beta_s_per_byte * 1e9, hw.inter.alpha * 1e6, cal.tcp.beta_s_per_byte * 1e9,
-        gbps > 0 ? fmt::format(", host links {:.4g} Gbit/s", gbps) : std::string());
+        tcp_cpu * 1e9, gbps > 0 ? fmt::format(", host links {:.4g} Gbit/s", gbps) : std::string());
   }
 
   const int64_t batch = cfg.batch_size;

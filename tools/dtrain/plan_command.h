@@ -25,6 +25,7 @@ struct PlanOptions {
   double link_gbps = 0;  // host link; 0: not limited (TCP as measured) or 400 (--device-flops)
   double link_latency_us = -1;
   double link_efficiency = 1448.0 / 1514.0;
+  double link_cpu_ns_per_byte = -1;  // < 0: TCP's as measured on loopback (calibrated)
   double intra_gbps = 7200;  // --device-flops: within a host (NVLink-class)
   double intra_latency_us = 3;
   double memory = 0;      // bytes per device; 0: no limit
@@ -33,11 +34,14 @@ struct PlanOptions {
   std::string calibration;  // calibration JSON to read (and, with --calibrate, to write)
   bool json = false;
   int top = 10;
+  std::string kernel_probe;  // internal: measure the layout's kernels into this file and exit
+  double kernel_probe_at = 0;  // internal: start then (seconds since the epoch)
 };
 
 /// Registers the plan flags (dtrain train's model and layout flags included) on `app`.
 void add_plan_options(CLI::App& app, PlanOptions& opts);
-/// Runs dtrain plan; `app` is the plan subcommand after parsing.
-int run_plan(CLI::App& app, PlanOptions& opts);
+/// Runs dtrain plan; `app` is the plan subcommand after parsing, `argv` the whole command line
+/// (calibration runs copies of it).
+int run_plan(CLI::App& app, PlanOptions& opts, const std::vector<std::string>& argv);
 
 }  // namespace dtrain::tools

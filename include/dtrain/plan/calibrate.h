@@ -23,6 +23,7 @@ struct KernelEntry {
   int64_t rows = 0;   // samples per micro-batch
   int tp = 1;
   int threads = 1;
+  int concurrency = 1;  // processes that measured at once (all busy cores: their shared caches and memory)
   KernelTimes times;
   std::vector<double> act_bytes;  // per block: bytes the allocator held after its forward
 };
@@ -30,7 +31,7 @@ struct KernelEntry {
 /// Times, in this process, forward and backward of every block of cfg's model for one
 /// micro-batch of `rows` samples, its transformer blocks at the shapes of one of `tp`
 /// tensor-parallel shards (the collectives left out): the median of `repeats` after a warm-up.
-KernelEntry measure_kernels(const train::TrainConfig& cfg, int64_t rows, int tp, int repeats = 5);
+KernelEntry measure_kernels(const train::TrainConfig& cfg, int64_t rows, int tp, int repeats = 9);
 /// Seconds per parameter of cfg's optimizer step and zeroing the gradients.
 double measure_optimizer(const train::TrainConfig& cfg, int64_t params);
 
@@ -46,8 +47,8 @@ struct Calibration {
   double flops_per_s = 0.0;       // forward + backward FLOPs over their time, for models without kernel times
   double optimizer_s_per_param = 0.0;
   std::vector<KernelEntry> kernels;
-  /// The entry for a model, micro-batch size, shard and threads, if measured.
-  const KernelEntry* find(const std::string& model, int64_t rows, int tp, int threads) const;
+  /// The entry for a model, micro-batch size, shard, threads and concurrency, if measured.
+  const KernelEntry* find(const std::string& model, int64_t rows, int tp, int threads, int concurrency) const;
   /// Adds or replaces the entry of the same key.
   void put(KernelEntry entry);
 };

@@ -12,7 +12,9 @@
 // buckets one after another, concurrently with the main lane. Time on the main lane is
 // accounted as compute, tensor-parallel communication, pipeline wait (the bubble: waiting for a
 // neighbour's activation or gradient, transfers included), data-parallel wait (buckets still
-// running after backward), or the ZeRO all-gather.
+// running after backward), or the ZeRO all-gather. A communication waits its latency, then its
+// wire time (on host links shared by the flows running at once) and its cpu work (on the shared
+// cores) run together.
 #pragma once
 
 #include <vector>
@@ -38,6 +40,11 @@ struct SimStage {
   double optimizer = 0.0;  // core-seconds of the optimizer step (and gradient bookkeeping)
   Cost after_optimizer;    // ZeRO: all-gather of the updated parameters
   double demand = 1.0;     // cores the stage's ranks want while computing (tp x dp x threads)
+  /// Per host, how many flows over its link the stage's data-parallel (buckets, all-gather) and
+  /// tensor-parallel communication puts there at once (all replicas and shards of the stage).
+  /// Concurrent flows share a link: an activity's wire time runs at 1 / the most flows on a link
+  /// it uses. Empty or zero: no shared link (within a host).
+  std::vector<int> dp_flows, tp_flows;
 };
 
 struct SimConfig {
