@@ -114,6 +114,33 @@ TEST(PlanSimulate, GradientBucketsOverlapTheLastBackward) {
   EXPECT_NEAR(r.stages[0].dp_wait_s, 1.0, 1e-9);
 }
 
+TEST(PlanSimulate, FlowsOnOneHostLinkShareIt) {
+  // Two stages, one micro-batch: stage 1 ends its backward at 4 s, stage 0 at 6 s; each then
+  // sends a 4 s bucket. On different hosts' links they do not meet: 8 s and 10 s.
+  SimConfig c = balanced_pipeline(2, 1, parallel::Schedule::one_f_one_b);
+  for (SimStage& st : c.stages) {
+    st.buckets = {Cost{0.0, 4.0, 0.0}};
+    st.ready_after = {0};
+  }
+  c.stages[0].dp_flows = {1, 0};
+  c.stages[1].dp_flows = {0, 1};
+  SimResult r = simulate_step(c);
+  EXPECT_NEAR(r.stages[1].end_s, 8.0, 1e-9);
+  EXPECT_NEAR(r.step_s, 10.0, 1e-9);
+  // On one host's link: stage 1 alone for 2 s, then both at half speed until stage 1 is done at
+  // 10 s, then stage 0 alone for its last 2 s.
+  c.stages[1].dp_flows = {1, 0};
+  r = simulate_step(c);
+  EXPECT_NEAR(r.stages[1].end_s, 10.0, 1e-9);
+  EXPECT_NEAR(r.step_s, 12.0, 1e-9);
+  // Two flows of one stage (two shards) on one link: twice the wire time.
+  SimConfig one = balanced_pipeline(1, 1, parallel::Schedule::one_f_one_b);
+  one.stages[0].buckets = {Cost{0.0, 1.0, 0.0}};
+  one.stages[0].ready_after = {0};
+  one.stages[0].dp_flows = {2};
+  EXPECT_NEAR(simulate_step(one).step_s, 3.0 + 2.0, 1e-9);
+}
+
 Hardware device(double flops) {
   Hardware hw;
   hw.device_flops = flops;

@@ -233,6 +233,8 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
         }
       }
       if (done - filled > 0) add_bucket(done - filled, static_cast<int>(part_bytes.size()) - 1);
+      // The gradient-ready hooks copy every gradient into its bucket.
+      st.bucket_copy = done * hw.copy_s_per_byte;
     }
     const double owned = l.zero > 0 ? params / l.dp : params;
     st.optimizer = hw.optimizer_s_per_param * owned;

@@ -93,7 +93,11 @@ std::vector<Op> build_program(const SimConfig& cfg, int s) {
         if (s > 0) p.push_back(Op{OpKind::recv_activation, Category::pipeline_wait, 0.0, {}, seq});
         append_compute(p, st.forward);
         append_comm(p, st.forward_comm, Category::tp_comm);
-        if (s + 1 < P) p.push_back(Op{OpKind::send_activation, Category::compute, 0.0, {}, seq});
+        if (s + 1 < P) {
+          // The message leaves; moving it (copies, the network stack) takes this rank's cores too.
+          p.push_back(Op{OpKind::send_activation, Category::compute, 0.0, {}, seq});
+          append_compute(p, st.send_forward.cpu, false);
+        }
         continue;
       }
       if (s + 1 < P) p.push_back(Op{OpKind::recv_gradient, Category::pipeline_wait, 0.0, {}, seq});
@@ -103,7 +107,7 @@ std::vector<Op> build_program(const SimConfig& cfg, int s) {
         std::vector<double> parts = st.backward_parts.empty() ? std::vector<double>{1.0} : st.backward_parts;
         size_t next_bucket = 0;
         for (size_t k = 0; k < parts.size(); ++k) {
-          append_compute(p, st.backward * parts[k]);
+          append_compute(p, (st.backward + st.bucket_copy) * parts[k]);
           while (next_bucket < st.buckets.size() &&
                  (st.ready_after[next_bucket] <= static_cast<int>(k) || k + 1 == parts.size())) {
             p.push_back(Op{OpKind::bucket, Category::compute, 0.0, {}, static_cast<int>(next_bucket)});
@@ -114,7 +118,10 @@ std::vector<Op> build_program(const SimConfig& cfg, int s) {
         append_compute(p, st.backward);
       }
       append_comm(p, st.backward_comm, Category::tp_comm);
-      if (s > 0) p.push_back(Op{OpKind::send_gradient, Category::compute, 0.0, {}, seq});
+      if (s > 0) {
+        p.push_back(Op{OpKind::send_gradient, Category::compute, 0.0, {}, seq});
+        append_compute(p, st.send_backward.cpu, false);
+      }
     }
   }
   if (!st.buckets.empty()) p.push_back(Op{OpKind::wait_dp, Category::dp_wait, 0.0, {}, 0});
@@ -198,9 +205,9 @@ SimResult simulate_step(const SimConfig& cfg) {
           break;
         case OpKind::comm:
           // The ZeRO all-gather runs over the data-parallel group; the rest over the tensor-parallel one.
-          lane.act = start(op.cost, t,
-                           op.category == Category::gather ? &dp_flows[static_cast<size_t>(s)]
-                                                           : &tp_flows[static_cast<size_t>(s)]);
+          lane.act = start(
+              op.cost, t,
+              op.category == Category::gather ? &dp_flows[static_cast<size_t>(s)] : &tp_flows[static_cast<size_t>(s)]);
           break;
         case OpKind::recv_activation:
         case OpKind::recv_gradient: {

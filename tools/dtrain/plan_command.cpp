@@ -424,12 +424,18 @@ int run_plan(CLI::App& app, PlanOptions& o, const std::vector<std::string>& argv
     hw.cores = o.cores < 0 ? cal.cores : o.cores;
     hw.threads = cfg.threads;
     hw.optimizer_s_per_param = cal.optimizer_s_per_param;
+    hw.copy_s_per_byte = cal.copy_s_per_byte;
     hw.intra = plan::LinkCost{
         cal.shm.alpha_s, 0.0, cal.shm.beta_s_per_byte, cal.gamma_s_per_byte, cal.copy_s_per_byte, true, false};
     const double lat = (o.link_latency_us < 0 ? 0.0 : o.link_latency_us) * 1e-6;
     const double tcp_cpu = o.link_cpu_ns_per_byte >= 0 ? o.link_cpu_ns_per_byte * 1e-9 : cal.tcp.beta_s_per_byte;
-    hw.inter = plan::LinkCost{cal.tcp.alpha_s + lat, gbps > 0 ? 8.0 / (gbps * 1e9 * o.link_efficiency) : 0.0, tcp_cpu,
-                              cal.gamma_s_per_byte, cal.copy_s_per_byte, false, false};
+    hw.inter = plan::LinkCost{cal.tcp.alpha_s + lat,
+                              gbps > 0 ? 8.0 / (gbps * 1e9 * o.link_efficiency) : 0.0,
+                              tcp_cpu,
+                              cal.gamma_s_per_byte,
+                              cal.copy_s_per_byte,
+                              false,
+                              false};
     if (!by_params && !searching) {
       const std::string meta = train::model_metadata(cfg);
       const int64_t rows = cfg.batch_size / (layout.dp * layout.accumulate * layout.micro_batches);

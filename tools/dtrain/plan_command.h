@@ -26,7 +26,7 @@ struct PlanOptions {
   double link_latency_us = -1;
   double link_efficiency = 1448.0 / 1514.0;
   double link_cpu_ns_per_byte = -1;  // < 0: TCP's as measured on loopback (calibrated)
-  double intra_gbps = 7200;  // --device-flops: within a host (NVLink-class)
+  double intra_gbps = 7200;          // --device-flops: within a host (NVLink-class)
   double intra_latency_us = 3;
   double memory = 0;      // bytes per device; 0: no limit
   std::string precision;  // f32 | mixed; empty: f32, mixed with --params
@@ -34,7 +34,7 @@ struct PlanOptions {
   std::string calibration;  // calibration JSON to read (and, with --calibrate, to write)
   bool json = false;
   int top = 10;
-  std::string kernel_probe;  // internal: measure the layout's kernels into this file and exit
+  std::string kernel_probe;    // internal: measure the layout's kernels into this file and exit
   double kernel_probe_at = 0;  // internal: start then (seconds since the epoch)
 };
 

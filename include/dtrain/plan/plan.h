@@ -85,7 +85,8 @@ struct Hardware {
   LinkCost intra;                      // between ranks of one host
   LinkCost inter;                      // between hosts: beta_wire is the host link's, shared by its flows
   double memory = 0.0;                 // bytes per device; 0: no limit
-  double optimizer_s_per_param = 0.0;  // optimizer step and gradient bookkeeping, per parameter
+  double optimizer_s_per_param = 0.0;  // optimizer step and zeroing the gradients, per parameter
+  double copy_s_per_byte = 0.0;        // a local memcpy (data parallelism copies gradients into buckets)
 };
 
 struct Layout {

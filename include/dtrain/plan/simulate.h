@@ -37,9 +37,10 @@ struct SimStage {
   /// of the last backward is done.
   std::vector<Cost> buckets;
   std::vector<int> ready_after;
-  double optimizer = 0.0;  // core-seconds of the optimizer step (and gradient bookkeeping)
-  Cost after_optimizer;    // ZeRO: all-gather of the updated parameters
-  double demand = 1.0;     // cores the stage's ranks want while computing (tp x dp x threads)
+  double bucket_copy = 0.0;  // core-seconds the synchronising backward spends copying gradients into buckets
+  double optimizer = 0.0;    // core-seconds of the optimizer step (and gradient bookkeeping)
+  Cost after_optimizer;      // ZeRO: all-gather of the updated parameters
+  double demand = 1.0;       // cores the stage's ranks want while computing (tp x dp x threads)
   /// Per host, how many flows over its link the stage's data-parallel (buckets, all-gather) and
   /// tensor-parallel communication puts there at once (all replicas and shards of the stage).
   /// Concurrent flows share a link: an activity's wire time runs at 1 / the most flows on a link
