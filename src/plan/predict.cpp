@@ -264,10 +264,16 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
   const SimResult res = simulate_step(sim);
   out.step_s = res.step_s;
   for (int s = 0; s < l.pp; ++s) out.stages[static_cast<size_t>(s)].sim = res.stages[static_cast<size_t>(s)];
-  const SimStageResult& c = res.stages[static_cast<size_t>(res.critical)];
+  // The step as the busiest stage (most compute) spends it; waiting for the others after it
+  // finished counts as bubble.
+  size_t busiest = 0;
+  for (size_t s = 1; s < res.stages.size(); ++s) {
+    if (res.stages[s].compute_s > res.stages[busiest].compute_s) busiest = s;
+  }
+  const SimStageResult& c = res.stages[busiest];
   out.compute_s = c.compute_s;
   out.exposed_comm_s = c.tp_comm_s + c.dp_wait_s + c.gather_s;
-  out.bubble_s = c.pipeline_wait_s;
+  out.bubble_s = c.pipeline_wait_s + (res.step_s - c.end_s);
   // T(1): one device, the whole batch in one pass, no communication.
   double t1 = hw.optimizer_s_per_param * static_cast<double>(model.params());
   if (single != nullptr && !single->empty()) {

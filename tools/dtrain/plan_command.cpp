@@ -230,7 +230,7 @@ void print_prediction(const plan::Prediction& p, const plan::ModelSpec& m, const
   const int64_t rows = p.batch / (l.dp * l.accumulate * l.micro_batches);
   std::printf("layout: %s; batch %ld (%ld per micro-batch per replica); stages %s\n", l.str().c_str(),
               static_cast<long>(p.batch), static_cast<long>(rows), ranges(p.stages).c_str());
-  std::printf("step %s = compute %s + exposed comm %s + bubble %s (critical stage)\n", time_str(p.step_s).c_str(),
+  std::printf("step %s = compute %s + exposed comm %s + bubble %s (busiest stage)\n", time_str(p.step_s).c_str(),
               time_str(p.compute_s).c_str(), time_str(p.exposed_comm_s).c_str(), time_str(p.bubble_s).c_str());
   if (l.pp > 1) std::printf("bubble theory (p-1)/(m+p-1) = %.3f\n", p.bubble_theory);
   std::printf("%5s %7s %11s %11s %11s %11s %11s %10s %9s %12s\n", "stage", "blocks", "compute_ms", "tp_comm_ms",

@@ -126,7 +126,8 @@ struct Prediction {
   Layout layout;
   int64_t batch = 0;  // global batch, samples
   double step_s = 0.0;
-  // The critical stage's step: compute + exposed_comm + bubble = step_s (+ p2p transfers are in the bubble).
+  // The step as the busiest stage spends it: compute + exposed_comm + bubble = step_s (the bubble
+  // includes waiting for transfers and, after the stage finished, for the other stages).
   double compute_s = 0.0, exposed_comm_s = 0.0, bubble_s = 0.0;
   double bubble_theory = 0.0;    // (p-1)/(m+p-1)
   Memory memory;                 // the largest stage's, per device
