@@ -1,4 +1,4 @@
-// dtrain: the command-line tool. Subcommands: train, diff, bench.
+// dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan.
 #include <cstdio>
 #include <string>
 
@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "plan_command.h"
 #include "dtrain/comm/mpi.h"
 #include "dtrain/launch/launcher.h"
 #include "dtrain/core/error.h"
@@ -110,6 +111,11 @@ int main(int argc, char** argv) {
   pipe->add_option("--warmup", pipe_opts.warmup, "unmeasured steps first")->capture_default_str();
   pipe->add_flag("--json", pipe_opts.json, "also print the results as one JSON line");
 
+  dtrain::tools::PlanOptions plan_opts;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "predict step time, memory per device and scaling efficiency of a layout, or search the best one");
+  dtrain::tools::add_plan_options(*plan, plan_opts);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -128,6 +134,7 @@ int main(int argc, char** argv) {
     if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
     if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
     if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
+    if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts, std::vector<std::string>(argv, argv + argc));
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
     std::fflush(stderr);
