@@ -677,7 +677,7 @@ TEST_F(Cli, MpirunTrainsLikeTheLauncher) {
                                       " train --backend mpi --model mlp --hidden 16 --batch-size 12 --steps 2 --dp 4 "
                                       "--progress=false 2>&1");
   EXPECT_NE(bad.code, 0) << bad.output;
-  EXPECT_NE(bad.output.find("but the MPI job (mpirun -np) started 3"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("but the MPI job started 3 (mpirun -np)"), std::string::npos) << bad.output;
   // A rank killed in the gradients' all_reduce ends the job soon (mpirun stops the others),
   // and a stopped one within the heartbeat timeout (the others end it with MPI_Abort).
   for (const std::string fault : {"kill:rank=1:step=3:phase=allreduce", "stop:rank=2:step=3"}) {

@@ -530,9 +530,9 @@ TrainResult run_training(const TrainConfig& requested) {
       options.transport = cfg.backend;
       group = std::make_unique<comm::Group>(comm::Group::from_env(options));
     }
-    DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the {} started {}", cfg.dp,
-             cfg.pp, cfg.tp, world, cfg.backend == "mpi" ? "MPI job (mpirun -np)" : "launcher (WORLD_SIZE)",
-             group->size());
+    DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the {} started {} ({})", cfg.dp,
+             cfg.pp, cfg.tp, world, cfg.backend == "mpi" ? "MPI job" : "launcher", group->size(),
+             cfg.backend == "mpi" ? "mpirun -np" : "WORLD_SIZE");
     mesh = std::make_unique<parallel::Mesh>(*group, parallel::MeshShape{cfg.dp, cfg.pp, cfg.tp});
     coord = mesh->coord();
     rank = group->rank();
