@@ -741,4 +741,34 @@ TEST(Launch, BadOptionsAreRefusedBeforeStartingAnything) {
   EXPECT_NE(r2.output.find("cannot execute"), std::string::npos) << r2.output;
 }
 
+TEST(Plan, PredictsALayoutRecommendsOneAndRefusesImpossibleOnes) {
+  // This machine, calibrated now: the prediction of a dp 2 x pp 2 run as JSON (stdout only).
+  const ProcessResult j = run_shell("timeout -k 5 120 " + std::string(DTRAIN_BINARY) +
+                                    " plan --model gpt --dp 2 --pp 2 --micro-batches 4 --calibrate --json 2>/dev/null");
+  ASSERT_EQ(j.code, 0) << j.output;
+  const nlohmann::json p = nlohmann::json::parse(j.output, nullptr, false);
+  ASSERT_TRUE(p.is_object()) << j.output;
+  EXPECT_GT(p["step_ms"].get<double>(), 0.0);
+  EXPECT_NEAR(p["compute_ms"].get<double>() + p["exposed_comm_ms"].get<double>() + p["bubble_ms"].get<double>(),
+              p["step_ms"].get<double>(), 1e-6 * p["step_ms"].get<double>());
+  EXPECT_DOUBLE_EQ(p["bubble_theory"].get<double>(), 1.0 / 5.0);
+  EXPECT_EQ(p["stages"].size(), 2u);
+  EXPECT_GT(p["memory"]["activations"].get<double>(), 0.0);
+  // Given devices: the search over layouts of a 1.3B GPT on 64 of them.
+  const ProcessResult r = dtrain(
+      "plan --model gpt --params 1.3e9 --devices 64 --device-flops 9.9e14 --link-gbps 400 --memory 80e9", 120);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("recommended: --dp "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("memory per device: params "), std::string::npos) << r.output;
+  const ProcessResult bad = dtrain("plan --model gpt --tp 3 --device-flops 1e12", 30);
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--heads 4 is not divisible by --tp 3"), std::string::npos) << bad.output;
+  const ProcessResult none = dtrain("plan --model gpt --dp 2", 30);
+  EXPECT_EQ(none.code, 2) << none.output;
+  EXPECT_NE(none.output.find("no compute rate"), std::string::npos) << none.output;
+  const ProcessResult tiny = dtrain("plan --model gpt --params 70e9 --devices 8 --device-flops 9.9e14 --memory 80e9", 60);
+  EXPECT_EQ(tiny.code, 1) << tiny.output;
+  EXPECT_NE(tiny.output.find("no layout of 8 devices fits"), std::string::npos) << tiny.output;
+}
+
 }  // namespace
