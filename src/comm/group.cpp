@@ -138,7 +138,8 @@ struct Group::Impl {
     std::vector<uint8_t> piece;   // this rank's 1/local_size of the vector
     std::mutex mu;                // local and cross, against abort() from other threads
   };
-  std::optional<Hierarchy> hierarchy;
+  // A pointer: clang cannot construct a nested struct with member initializers in this context.
+  std::unique_ptr<Hierarchy> hierarchy;
 
   ~Impl() {
     registration.reset();  // no abort_all() reaches a group being torn down
@@ -694,7 +695,7 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
     const bool uniform = std::all_of(ranks_on.begin(), ranks_on.begin() + n_hosts,
                                      [&](int k) { return k == ranks_on[0]; });
     if (n_hosts >= 2 && uniform && ranks_on[0] >= 2) {
-      impl->hierarchy.emplace();
+      impl->hierarchy = std::make_unique<Impl::Hierarchy>();
       impl->hierarchy->hosts = n_hosts;
       impl->hierarchy->host = host_of[rank];
       impl->hierarchy->local_size = ranks_on[0];
