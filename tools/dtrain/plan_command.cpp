@@ -490,6 +490,13 @@ int run_plan(CLI::App& app, PlanOptions& o, const std::vector<std::string>& argv
   std::printf("machine: %s%s\n", machine.c_str(),
               o.memory > 0 ? fmt::format(", {} per device", bytes_str(o.memory)).c_str() : "");
   std::printf("%d layouts simulated, %d over the memory limit\n", r.considered, r.too_big);
+  if (r.considered == 0) {
+    std::printf(
+        "no valid layout of %d devices: dp must divide --batch-size %ld, tp the heads (%ld) and width, pp at "
+        "most the %zu blocks\n",
+        o.devices, static_cast<long>(batch), static_cast<long>(model.heads), model.blocks.size());
+    return 1;
+  }
   if (r.ranked.empty()) {
     std::printf("no layout of %d devices fits %s per device\n", o.devices, bytes_str(o.memory).c_str());
     return 1;
