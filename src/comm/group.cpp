@@ -476,8 +476,9 @@ struct Group::Impl {
     const char* in = static_cast<const char*>(send);
     char* out = static_cast<char*>(recv);
     if (pad) {
-      h.padded.assign(std::max<size_t>(padded * es, 1), 0);
+      h.padded.resize(padded * es);
       if (count > 0) std::memcpy(h.padded.data(), send, count * es);
+      std::memset(h.padded.data() + count * es, 0, (padded - count) * es);  // only the tail needs zeros
       in = out = reinterpret_cast<char*>(h.padded.data());
     }
     h.piece.resize(std::max<size_t>(block * segments * es, 1));
@@ -596,12 +597,12 @@ int env_int(const char* var) {
   return static_cast<int>(x);
 }
 
-// The first of `vars` set in the environment (the first name when none is, for the error).
+// The first of `vars` set (and not empty) in the environment, or nullptr.
 const char* first_set(std::initializer_list<const char*> vars) {
   for (const char* v : vars) {
     if (const char* x = std::getenv(v); x != nullptr && *x != '\0') return v;
   }
-  return *vars.begin();
+  return nullptr;
 }
 
 // options.transport, or DTRAIN_TRANSPORT while it is "auto", with "auto" resolved.
@@ -723,8 +724,9 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
 }
 
 Group Group::from_env(GroupOptions options) {
-  const int rank = env_int(first_set({"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}));
-  const int size = env_int(first_set({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}));
+  const LauncherVars vars = launcher_vars();
+  const int rank = env_int(vars.rank != nullptr ? vars.rank : "RANK");  // names RANK when none is set
+  const int size = env_int(vars.size != nullptr ? vars.size : "WORLD_SIZE");
   const char* addr = std::getenv("MASTER_ADDR");
   const char* secret = std::getenv("DTRAIN_SECRET");
   DT_CHECK(addr != nullptr && *addr != '\0', "comm",
@@ -765,6 +767,17 @@ Group Group::from_env(GroupOptions options) {
   Group g = create(store, rank, size, options, name);
   g.impl_->keep_alive = server;
   return g;
+}
+
+LauncherVars launcher_vars() {
+  LauncherVars v;
+  v.rank = first_set({"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"});
+  v.size = first_set({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
+  if (first_set({"SLURM_STEP_ID", "SLURM_STEPID"}) != nullptr) {
+    if (v.rank == nullptr) v.rank = first_set({"SLURM_PROCID"});
+    if (v.size == nullptr) v.size = first_set({"SLURM_NTASKS"});
+  }
+  return v;
 }
 
 Group Group::from_mpi(GroupOptions options) {

@@ -8,6 +8,7 @@
 #include <ctime>
 #include <cstdlib>
 
+#include "dtrain/comm/group.h"
 #include "dtrain/comm/mpi.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
@@ -21,20 +22,11 @@ namespace dtrain::tools {
 int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   train::finalize(cfg);
   // Started by mpirun / srun with --backend mpi, or by a launcher (RANK, or a world of the
-  // requested size in Open MPI's or Slurm's environment): this process is one rank.
-  // Slurm's variables count only inside a job step (srun): a batch script has them too.
+  // requested size in Open MPI's, MPICH's or an srun step's environment): this process is one rank.
   const bool mpi = cfg.backend == "mpi";
-  const bool slurm_step = std::getenv("SLURM_STEP_ID") != nullptr || std::getenv("SLURM_STEPID") != nullptr;
-  auto first = [](std::initializer_list<const char*> vars) -> const char* {
-    for (const char* v : vars) {
-      if (const char* x = std::getenv(v)) return x;
-    }
-    return nullptr;
-  };
-  const char* rank_env = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"});
-  const char* size_env = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
-  if (rank_env == nullptr && slurm_step) rank_env = std::getenv("SLURM_PROCID");
-  if (size_env == nullptr && slurm_step) size_env = std::getenv("SLURM_NTASKS");
+  const comm::LauncherVars vars = comm::launcher_vars();
+  const char* rank_env = vars.rank != nullptr ? std::getenv(vars.rank) : nullptr;
+  const char* size_env = vars.size != nullptr ? std::getenv(vars.size) : nullptr;
   const bool in_world = std::getenv("RANK") != nullptr ||
                         (rank_env != nullptr && size_env != nullptr && std::atoi(size_env) == train::world_size(cfg));
   // Not started by a launcher: start dp x pp x tp copies of this very command.

@@ -104,6 +104,17 @@ struct FlightEntry {
 };
 const char* name_of(FlightEntry::State s);
 
+/// The environment variables that carry this process's rank and world size, as the launcher
+/// that started it set them: RANK / WORLD_SIZE (dtrain launch, torchrun), Open MPI's
+/// OMPI_COMM_WORLD_RANK / _SIZE, PMIx's PMIX_RANK, MPICH's PMI_RANK / PMI_SIZE, or Slurm's
+/// SLURM_PROCID / SLURM_NTASKS, the last only inside a job step (srun; a batch script has them
+/// too). The first set of each list; nullptr when none is.
+struct LauncherVars {
+  const char* rank = nullptr;
+  const char* size = nullptr;
+};
+LauncherVars launcher_vars();
+
 class Work {
  public:
   Work() = default;
