@@ -5,7 +5,8 @@
                                           [--jobs mlp,gpt] [--bucket-sweep on|off] [--trace on|off]
 
 Same models, data, AdamW and PER-RANK batch for both (mlp 64, gpt 16 per rank; the global batch
-is per-rank x world), one thread per process, worlds 1 and 2. World 1 is the plain single-process
+is per-rank x world), one thread per process, worlds 1 and 2. dtrain's multi-rank runs use --zero 1
+(--zero to change): on one host its parameters are one copy in shared memory, same bits as --zero 0. World 1 is the plain single-process
 trainer of both (dtrain --dp 1, torch_reference.py --dp 1: no process group, no DDP wrapper).
 Throughput (samples/s for mlp, tokens/s for gpt) counts only the steps after a warm-up; each cell
 is the median [min-max] over the repeats, and every repeat runs every configuration once, the
@@ -181,7 +182,7 @@ def run_dtrain(job, a, world, seed, bucket_mb, log):
         cmd = [a.dtrain, "train"] + common_args(job, a, world, seed) + [
             "--dp", str(world), "--progress=false", "--metrics", metrics, "--log-every", str(W)]
         if world > 1:
-            cmd += ["--bucket-mb", f"{bucket_mb:g}"]
+            cmd += ["--bucket-mb", f"{bucket_mb:g}", "--zero", str(a.zero)]
         if a.trace and world > 1:
             cmd += ["--trace", trace]
         stdout, stderr, info = run(cmd, a.timeout, log)
@@ -315,6 +316,10 @@ def main():
     p.add_argument("--bucket-sweep", choices=["on", "off"], default="on")
     p.add_argument("--buckets", default="1,4,25", help="dtrain --bucket-mb values of the sweep")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="dtrain --bucket-mb of the main comparison")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=1,
+                   help="dtrain --zero of its multi-rank runs. 1 (ZeRO-1) on one host keeps one copy of the "
+                        "parameters in shared memory and reduces gradients in place; it gives the same parameters "
+                        "as 0 bit for bit (tests/ddp_test.cpp)")
     p.add_argument("--torch-bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (PyTorch's default 25)")
     p.add_argument("--trace", choices=["on", "off"], default="off",
                    help="dtrain --trace on its multi-rank runs: adds a per-rank step breakdown after the warm-up")
@@ -466,7 +471,7 @@ def main():
     print()
     print(f"dtrain --dp N vs PyTorch {tv} DistributedDataParallel (gloo), one thread per process, "
           f"{a.repeats} repeat(s); mlp {a.mlp_steps} steps (warm-up {warmup('mlp', a)}) x 64/rank, "
-          f"gpt {a.gpt_steps} steps (warm-up {warmup('gpt', a)}) x 16/rank; dtrain --bucket-mb {a.bucket_mb:g}, "
+          f"gpt {a.gpt_steps} steps (warm-up {warmup('gpt', a)}) x 16/rank; dtrain --bucket-mb {a.bucket_mb:g} --zero {a.zero}, "
           f"DDP bucket_cap_mb {a.torch_bucket_mb:g}")
     print_table(["job", "world", "metric", "dtrain median [min-max]", "torch median [min-max]", "dtrain/torch",
                  "ratio per repeat", "bg CPUs d / t"], rows, left=3)

@@ -244,6 +244,40 @@ TEST(AutogradHooks, SharedParameterFiresOnceAfterBothUses) {
       {test::randn({3, 3}, 20)}));
 }
 
+// A gradient home (data parallelism's buckets): linear layers write the gradient straight into
+// it, it becomes grad() with no copy, and the values are those without a home, also for a
+// weight used twice (the home is handed out once) and across accumulating backwards.
+TEST(AutogradHooks, LinearLayersWriteGradientsIntoTheirHomes) {
+  const Tensor x = test::randn({4, 3}, 21), r = test::randn({4, 3}, 22);
+  auto run = [&](Tensor& w, Tensor& b, bool tied) {
+    Tensor h = ops::tanh(ops::linear(x, w, b));
+    Tensor y = tied ? ops::linear(h, w, Tensor()) : h;
+    ops::sum(ops::mul(y, r)).backward();
+  };
+  for (bool tied : {false, true}) {
+    Tensor w0 = leaf({3, 3}, 20), b0 = leaf({3}, 23);
+    run(w0, b0, tied);
+    Tensor w = leaf({3, 3}, 20), b = leaf({3}, 23);
+    Tensor home_w = Tensor::full({3, 3}, 7.0f), home_b = Tensor::full({3}, 7.0f);
+    w.set_grad_home(home_w);
+    b.set_grad_home(home_b);
+    run(w, b, tied);
+    EXPECT_EQ(w.grad().to_vector(), w0.grad().to_vector()) << "tied " << tied;
+    EXPECT_EQ(b.grad().to_vector(), b0.grad().to_vector()) << "tied " << tied;
+    EXPECT_EQ(b.grad().data(), home_b.data()) << "the bias gradient was not written into its home";
+    if (!tied) {
+      EXPECT_EQ(w.grad().data(), home_w.data()) << "the weight gradient was not written into its home";
+    }
+    // A second backward accumulates into what is there (the home, when it was adopted).
+    run(w0, b0, tied);
+    run(w, b, tied);
+    EXPECT_EQ(w.grad().to_vector(), w0.grad().to_vector()) << "tied " << tied << ", accumulated";
+    EXPECT_EQ(b.grad().data(), home_b.data());
+  }
+  Tensor w = leaf({3, 3}, 20);
+  EXPECT_TRUE(throws_with([&] { w.set_grad_home(Tensor::zeros({3})); }, {"must be contiguous f32 of the same shape"}));
+}
+
 TEST(AutogradHooks, UnusedParameterGetsNoHookAndNoGrad) {
   Tensor used = leaf({2}, 30);
   Tensor unused = leaf({2}, 31);

@@ -376,6 +376,9 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
                                     "kill:rank=0:step=8:phase=checkpoint"},
                                    {"kill rank 1 while rank 0 is in the step 6 all_reduce",
                                     "kill:rank=1:step=6:phase=allreduce"},
+                                   {"ZeRO-1 on one host (parameters in shared memory): kill rank 1 while rank 0 "
+                                    "reduces the step 6 gradients",
+                                    "kill:rank=1:step=6:phase=allreduce", "--zero 1"},
                                    {"two faults on two starts", "kill:rank=1:step=3,kill:rank=0:step=10:attempt=1"}};
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = path("ckpt" + std::to_string(i)), metrics = path("f" + std::to_string(i) + ".jsonl");

@@ -65,6 +65,7 @@ struct RunOptions {
   int world = 1;
   int accumulate = 1;
   int zero = 0;
+  bool share_memory = true;
   bool adam = true;
   size_t bucket_bytes = 1024;  // several buckets for this small model
   std::vector<int64_t> hidden = {32, 16};
@@ -75,6 +76,7 @@ struct RunOptions {
   std::vector<std::vector<std::vector<float>>> per_step;  // [step][rank]
   std::vector<int64_t> optimizer_bytes;
   std::vector<CommVolume> volume;  // per rank, over all steps
+  bool shared = false;             // rank 0's DataParallel shares memory
 };
 
 std::unique_ptr<optim::Optimizer> make_opt(bool adam, std::vector<Tensor> params) {
@@ -113,6 +115,7 @@ void train(RunOptions& o) {
     DdpOptions d;
     d.bucket_bytes = o.bucket_bytes;
     d.zero = o.zero;
+    d.share_memory = o.share_memory;
     d.compress = o.compress;
     DataParallel dp(model->named_parameters(), g, d);
     dp.broadcast_parameters();
@@ -134,6 +137,7 @@ void train(RunOptions& o) {
     o.final_params[static_cast<size_t>(r)] = flat(*model);
     o.optimizer_bytes[static_cast<size_t>(r)] = dp.memory(*opt).optimizer_bytes;
     o.volume[static_cast<size_t>(r)] = dp.take_comm_volume();
+    if (r == 0) o.shared = dp.shares_memory();
   });
 }
 
@@ -216,6 +220,26 @@ TEST(DataParallel, ZeroOneAndTwoEqualPlainDdpWithAQuarterOfTheOptimizerState) {
       EXPECT_LE(static_cast<double>(z.optimizer_bytes[static_cast<size_t>(r)]),
                 static_cast<double>(plain.optimizer_bytes[0]) / 4 * 1.05)
           << "zero " << zero << " rank " << r;
+    }
+  }
+}
+
+TEST(DataParallel, SharedMemoryZeroOneEqualsTheCopyingPathBitwise) {
+  for (int world : {2, 3, 4}) {
+    for (size_t bucket : {size_t{1024}, size_t{1} << 20}) {
+      RunOptions copying, shared;
+      copying.world = shared.world = world;
+      copying.zero = shared.zero = 1;
+      copying.bucket_bytes = shared.bucket_bytes = bucket;
+      copying.share_memory = false;
+      train(copying);
+      train(shared);
+      ASSERT_FALSE(copying.shared);
+      ASSERT_TRUE(shared.shared) << "world " << world << ": the one-host ZeRO-1 run did not share memory";
+      for (int s = 0; s < copying.steps; ++s) {
+        ASSERT_EQ(copying.per_step[static_cast<size_t>(s)][0], shared.per_step[static_cast<size_t>(s)][0])
+            << "world " << world << ", bucket " << bucket << ", step " << s + 1;
+      }
     }
   }
 }

@@ -28,6 +28,7 @@
 #include "health.h"
 #include "net.h"
 #include "plan_common.h"
+#include "shm_segment.h"
 
 namespace dtrain::comm {
 
@@ -112,6 +113,7 @@ struct Group::Impl {
   std::unique_ptr<Transport> transport;
   std::string kind;
   uint64_t splits = 0;
+  uint64_t shared_allocations = 0;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -1121,6 +1123,45 @@ void Group::all_to_all(const void* send, void* recv, size_t count, DataType dtyp
   g.run_plan("all_to_all", plan_all_to_all(Algorithm::pairwise, rank(), size(), count), send, recv, dtype,
              ReduceOp::sum, true)
       .wait();
+}
+
+bool Group::can_share_memory() const {
+  Impl& g = impl("can_share_memory");
+  return g.kind == "shm" && g.transport->direct() != nullptr;
+}
+
+SharedMemory Group::allocate_shared(size_t bytes) {
+  Impl& g = impl("allocate_shared");
+  DT_CHECK(can_share_memory(), "comm",
+           "group '{}': allocate_shared needs every rank on one host over the shm transport, not {}", g.name, g.kind);
+  const std::string prefix = fmt::format("{}/mem{}", g.name, g.shared_allocations++);
+  auto mapping = std::make_shared<shm::Mapping>(
+      shm::share_mapping(*g.store, prefix, g.rank, g.size, bytes, g.options.timeout));
+  SharedMemory m;
+  m.data_ = mapping->data();
+  m.bytes_ = bytes;
+  m.mapping_ = std::move(mapping);
+  return m;
+}
+
+Work Group::reduce_scatter_shared_async(const SharedMemory& memory, size_t offset, size_t stride, void* recv,
+                                        size_t recv_count, DataType dtype, ReduceOp op) {
+  Impl& g = impl("reduce_scatter_shared");
+  DT_CHECK(memory.valid() && can_share_memory(), "comm",
+           "group '{}': reduce_scatter_shared needs memory from allocate_shared on a shm group ({})", g.name, g.kind);
+  const size_t input = static_cast<size_t>(g.size) * recv_count * size_of(dtype);
+  DT_CHECK(offset + static_cast<size_t>(g.size - 1) * stride + input <= memory.bytes() && (g.size == 1 || stride >= input),
+           "comm",
+           "reduce_scatter_shared: inputs of {} bytes at offset {} every {} bytes do not fit {} bytes of shared memory "
+           "without overlapping",
+           input, offset, stride, memory.bytes());
+  const char* inputs = memory.data() + offset;
+  return g.run_direct(
+      "reduce_scatter_shared", false,
+      [=, keep = memory.keep_alive()](DirectCollectives& d, Deadline deadline) {
+        d.reduce_scatter_mapped(inputs, stride, recv, recv_count, dtype, op, deadline);
+      },
+      input);
 }
 
 void Group::barrier() {

@@ -84,6 +84,7 @@ const char* kind_name(uint64_t kind) {
     case 3: return "all_gather";
     case 4: return "reduce_scatter";
     case 5: return "barrier";
+    case 6: return "reduce_scatter (shared memory)";
     default: return "unknown";
   }
 }
@@ -387,6 +388,16 @@ void Collectives::reduce_scatter(const void* input, void* output, size_t count, 
     const size_t at = static_cast<size_t>(rank_) * m * esize;
     reduce_in_rank_order(out + off * esize, size_, [&](int q) { return stage(q) + at; }, m, dtype, op);
   }
+}
+
+void Collectives::reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count,
+                                        DataType dtype, ReduceOp op, Deadline deadline) {
+  begin({Kind::reduce_scatter_mapped, dtype, count, static_cast<uint64_t>(op)});
+  const size_t at = static_cast<size_t>(rank_) * count * size_of(dtype);
+  sync(deadline);  // every rank's input is written
+  reduce_in_rank_order(static_cast<char*>(output), size_, [&](int q) { return inputs + q * stride + at; }, count,
+                       dtype, op);
+  sync(deadline);  // nobody reads them any more
 }
 
 }  // namespace dtrain::comm::shm

@@ -22,9 +22,11 @@ class Collectives final : public DirectCollectives {
   void reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
                       Deadline deadline) override;
   void barrier(Deadline deadline) override;
+  void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
+                             ReduceOp op, Deadline deadline) override;
 
  private:
-  enum class Kind : uint64_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier };
+  enum class Kind : uint64_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier, reduce_scatter_mapped };
   struct Call {
     Kind kind;
     DataType dtype;

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -48,6 +49,27 @@ char* map_fd(int fd, size_t bytes, const std::string& name) {
   return static_cast<char*>(p);
 }
 
+// Creates `name` exclusively, sized and reserved, and maps it; unlinks it again on failure.
+// `what` says what the bytes are for in the error.
+char* create_mapped(const std::string& name, size_t bytes, const std::string& what) {
+  Fd fd{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)};
+  if (fd.fd < 0) DT_THROW("comm", "shm: shm_open({}, O_CREAT|O_EXCL) failed: {}", name, errno_text(errno));
+  try {
+    if (::ftruncate(fd.fd, static_cast<off_t>(bytes)) != 0) {
+      DT_THROW("comm", "shm: ftruncate({}, {} bytes) failed: {}", name, bytes, errno_text(errno));
+    }
+    // Reserve the pages now: on a full /dev/shm a write to a sparse page would be a SIGBUS.
+    if (int err = ::posix_fallocate(fd.fd, 0, static_cast<off_t>(bytes)); err != 0) {
+      DT_THROW("comm", "shm: cannot reserve {} bytes for {} ({}): {}; is /dev/shm full?", bytes, name, what,
+               errno_text(err));
+    }
+    return map_fd(fd.fd, bytes, name);
+  } catch (...) {
+    unlink_segment(name);
+    throw;
+  }
+}
+
 }  // namespace
 
 SegmentLayout::SegmentLayout(int world_size, size_t bytes_per_ring, size_t bytes_per_stage)
@@ -64,20 +86,12 @@ SegmentLayout::SegmentLayout(int world_size, size_t bytes_per_ring, size_t bytes
 
 Segment Segment::create(const std::string& name, int size, size_t ring_bytes, size_t stage_bytes) {
   SegmentLayout layout(size, ring_bytes, stage_bytes);
-  Fd fd{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)};
-  if (fd.fd < 0) DT_THROW("comm", "shm: shm_open({}, O_CREAT|O_EXCL) failed: {}", name, errno_text(errno));
+  char* base = create_mapped(
+      name, layout.total_bytes,
+      fmt::format("{} ranks, {} byte rings; DTRAIN_SHM_RING_BYTES and DTRAIN_SHM_STAGE_BYTES set smaller rings and "
+                  "staging slots",
+                  size, ring_bytes));
   try {
-    if (::ftruncate(fd.fd, static_cast<off_t>(layout.total_bytes)) != 0) {
-      DT_THROW("comm", "shm: ftruncate({}, {} bytes) failed: {}", name, layout.total_bytes, errno_text(errno));
-    }
-    // Reserve the pages now: on a full /dev/shm a write to a sparse page would be a SIGBUS.
-    if (int err = ::posix_fallocate(fd.fd, 0, static_cast<off_t>(layout.total_bytes)); err != 0) {
-      DT_THROW("comm",
-               "shm: cannot reserve {} bytes for {} ({} ranks, {} byte rings): {}; is /dev/shm full? "
-               "(DTRAIN_SHM_RING_BYTES and DTRAIN_SHM_STAGE_BYTES set smaller rings and staging slots)",
-               layout.total_bytes, name, size, ring_bytes, errno_text(err));
-    }
-    char* base = map_fd(fd.fd, layout.total_bytes, name);
     Segment seg(base, layout);
     // The file is zero-filled; construct the control area's objects in place.
     auto* h = new (base) SegmentHeader{};
@@ -96,7 +110,7 @@ Segment Segment::create(const std::string& name, int size, size_t ring_bytes, si
     std::atomic_ref<uint64_t>(h->magic).store(kMagic, std::memory_order_release);
     return seg;
   } catch (...) {
-    unlink_segment(name);
+    unlink_segment(name);  // `seg` unmapped it
     throw;
   }
 }
@@ -157,6 +171,30 @@ Segment& Segment::operator=(Segment&& other) noexcept {
 
 Segment::~Segment() {
   if (base_ != nullptr) ::munmap(base_, layout_.total_bytes);
+}
+
+Mapping Mapping::create(const std::string& name, size_t bytes) {
+  return Mapping(create_mapped(name, std::max<size_t>(bytes, 1), "shared memory"), std::max<size_t>(bytes, 1));
+}
+
+Mapping Mapping::open(const std::string& name, size_t bytes) {
+  bytes = std::max<size_t>(bytes, 1);
+  Fd fd{::shm_open(name.c_str(), O_RDWR, 0)};
+  if (fd.fd < 0) DT_THROW("comm", "shm: shm_open({}) failed: {}", name, errno_text(errno));
+  struct stat st {};
+  if (::fstat(fd.fd, &st) != 0) DT_THROW("comm", "shm: fstat({}) failed: {}", name, errno_text(errno));
+  if (static_cast<size_t>(st.st_size) != bytes) {
+    DT_THROW("comm", "shm: shared memory {} has {} bytes but this rank expects {} (ranks asked for different sizes)",
+             name, st.st_size, bytes);
+  }
+  return Mapping(map_fd(fd.fd, bytes, name), bytes);
+}
+
+Mapping::Mapping(Mapping&& other) noexcept
+    : base_(std::exchange(other.base_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+Mapping::~Mapping() {
+  if (base_ != nullptr) ::munmap(base_, bytes_);
 }
 
 void unlink_segment(const std::string& name) noexcept { (void)::shm_unlink(name.c_str()); }

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dtrain/comm/store.h"
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm::shm {
@@ -134,6 +135,33 @@ class Segment {
   char* base_ = nullptr;
   SegmentLayout layout_;
 };
+
+/// A plain shared mapping (Group::allocate_shared): created zeroed by one rank, opened by the
+/// others. Move-only; unmaps on destruction (it never unlinks).
+class Mapping {
+ public:
+  /// Creates `name` exclusively with `bytes` reserved (at least 1) and maps it.
+  static Mapping create(const std::string& name, size_t bytes);
+  /// Opens and maps `name`; throws when its size is not `bytes`.
+  static Mapping open(const std::string& name, size_t bytes);
+  Mapping(Mapping&& other) noexcept;
+  Mapping& operator=(Mapping&&) = delete;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping();
+  char* data() const { return base_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Mapping(char* base, size_t bytes) : base_(base), bytes_(bytes) {}
+  char* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// Collective over `store`: rank 0 creates `bytes` of shared memory, the others map it (see
+/// make_shm_transport for the handshake under `prefix`); the name is gone from /dev/shm when it
+/// returns. Throws TransportError naming the ranks that did not map it within `timeout`.
+Mapping share_mapping(Store& store, const std::string& prefix, int rank, int size, size_t bytes, Duration timeout);
 
 /// shm_unlink that ignores a name already gone; never throws.
 void unlink_segment(const std::string& name) noexcept;

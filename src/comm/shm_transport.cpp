@@ -512,18 +512,60 @@ void join(const Segment& seg, int rank) {
   slot.pid.store(pid, std::memory_order_release);
 }
 
-// Waits until the last rank to map the segment set `ready_key`; names the absent ranks if not.
-void wait_ready(Store& store, const Segment& seg, const std::string& ready_key, int rank, int size, Duration timeout,
-                Deadline deadline) {
+// Rank 0 creates a named shared object (`create(name)`) and publishes its name under
+// `prefix`/shm/name; the others open it (`open(name)`). Everyone waits until the last rank
+// to map it set `prefix`/shm/ready, naming the absent ranks (`absent(object)`) if it never
+// comes; then the name is unlinked, so nothing is left in /dev/shm whatever happens later.
+template <typename T, typename Create, typename Open, typename Absent>
+T rendezvous(Store& store, const std::string& prefix, const char* what, int rank, int size, Duration timeout,
+             Create create, Open open, Absent absent) {
+  const Deadline deadline = deadline_after(timeout);
+  const std::string name_key = prefix + "/shm/name";
+  const std::string mapped_key = prefix + "/shm/mapped";
+  const std::string ready_key = prefix + "/shm/ready";
+  auto wait_ready = [&](const T& object) {
+    try {
+      (void)store.get(ready_key, remaining(deadline));
+    } catch (const CommError&) {
+      std::vector<int> missing = absent(object);
+      throw TransportError(TransportError::Kind::timeout, missing,
+                           fmt::format("shm: rank {} waited {} ms for all {} ranks to map the {}; rank(s) {} did not "
+                                       "(store key '{}')",
+                                       rank, timeout.count(), size, what, fmt::join(missing, ", "), ready_key),
+                           __FILE__, __LINE__);
+    }
+  };
+  if (rank == 0) {
+    const std::string name = shm::make_segment_name(prefix);
+    T object = create(name);
+    try {
+      store.set(name_key, name);
+      if (size > 1) wait_ready(object);
+    } catch (...) {
+      shm::unlink_segment(name);
+      throw;
+    }
+    // Everyone mapped it: from now on the mappings keep it alive and nothing can leak.
+    shm::unlink_segment(name);
+    return object;
+  }
+  std::string name;
   try {
-    (void)store.get(ready_key, remaining(deadline));
+    name = store.get(name_key, remaining(deadline));
   } catch (const CommError&) {
-    std::vector<int> missing = unmapped_ranks(seg, size);
-    throw TransportError(TransportError::Kind::timeout, missing,
-                         fmt::format("shm: rank {} waited {} ms for all {} ranks to map the segment; rank(s) {} "
-                                     "did not (store key '{}')",
-                                     rank, timeout.count(), size, fmt::join(missing, ", "), ready_key),
+    throw TransportError(TransportError::Kind::timeout, {0},
+                         fmt::format("shm: rank {} waited {} ms for rank 0 to publish the {}'s name (store key '{}')",
+                                     rank, timeout.count(), what, name_key),
                          __FILE__, __LINE__);
+  }
+  try {
+    T object = open(name);
+    if (store.add(mapped_key, 1) == size - 1) store.set(ready_key, "1");
+    wait_ready(object);
+    return object;
+  } catch (...) {
+    shm::unlink_segment(name);  // in case rank 0 is gone too: never leave it in /dev/shm
+    throw;
   }
 }
 
@@ -533,47 +575,34 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& p
                                               Duration timeout, std::chrono::microseconds spin) {
   DT_CHECK(size >= 1 && rank >= 0 && rank < size, "comm", "shm transport: rank {} is not in a group of size {}", rank,
            size);
-  const Deadline deadline = deadline_after(timeout);
-  const std::string name_key = prefix + "/shm/name";
-  const std::string mapped_key = prefix + "/shm/mapped";
-  const std::string ready_key = prefix + "/shm/ready";
+  Segment seg = rendezvous<Segment>(
+      store, prefix, "segment", rank, size, timeout,
+      [&](const std::string& name) {
+        Segment created = Segment::create(name, size, shm::ring_bytes_from_env(), shm::stage_bytes_from_env());
+        join(created, 0);
+        return created;
+      },
+      [&](const std::string& name) {
+        Segment opened = Segment::open(name, size);
+        join(opened, rank);
+        return opened;
+      },
+      [&](const Segment& s) { return unmapped_ranks(s, size); });
+  return std::make_unique<ShmTransport>(std::move(seg), rank, size, spin);
+}
 
-  if (rank == 0) {
-    const std::string name = shm::make_segment_name(prefix);
-    Segment seg = Segment::create(name, size, shm::ring_bytes_from_env(), shm::stage_bytes_from_env());
-    try {
-      join(seg, 0);
-      store.set(name_key, name);
-      if (size > 1) wait_ready(store, seg, ready_key, rank, size, timeout, deadline);
-    } catch (...) {
-      shm::unlink_segment(name);
-      throw;
-    }
-    // Everyone mapped it: from now on the mappings keep it alive and nothing can leak.
-    shm::unlink_segment(name);
-    return std::make_unique<ShmTransport>(std::move(seg), rank, size, spin);
-  }
-
-  std::string name;
-  try {
-    name = store.get(name_key, remaining(deadline));
-  } catch (const CommError&) {
-    throw TransportError(TransportError::Kind::timeout, {0},
-                         fmt::format("shm: rank {} waited {} ms for rank 0 to publish the segment name (store key "
-                                     "'{}')",
-                                     rank, timeout.count(), name_key),
-                         __FILE__, __LINE__);
-  }
-  try {
-    Segment seg = Segment::open(name, size);
-    join(seg, rank);
-    if (store.add(mapped_key, 1) == size - 1) store.set(ready_key, "1");
-    wait_ready(store, seg, ready_key, rank, size, timeout, deadline);
-    return std::make_unique<ShmTransport>(std::move(seg), rank, size, spin);
-  } catch (...) {
-    shm::unlink_segment(name);  // in case rank 0 is gone too: never leave it in /dev/shm
-    throw;
-  }
+shm::Mapping shm::share_mapping(Store& store, const std::string& prefix, int rank, int size, size_t bytes,
+                           Duration timeout) {
+  return rendezvous<shm::Mapping>(
+      store, prefix, "shared memory", rank, size, timeout,
+      [&](const std::string& name) { return shm::Mapping::create(name, bytes); },
+      [&](const std::string& name) { return shm::Mapping::open(name, bytes); },
+      [&](const shm::Mapping&) {
+        // The store counts the ranks that mapped it, not which: name the ones it could be.
+        std::vector<int> all;
+        for (int r = 1; r < size; ++r) all.push_back(r);
+        return all;
+      });
 }
 
 }  // namespace dtrain::comm

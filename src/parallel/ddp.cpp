@@ -62,6 +62,7 @@ struct DataParallel::Impl {
     Tensor piece;                     // ZeRO: view of this rank's piece of `values`
     comm::Work work;
     comm::Clock::time_point started;
+    size_t grad_at = 0;                 // shared memory: byte offset of rank 0's gradient slot
     std::shared_ptr<Storage> residual;  // compressed codecs: what the last encoding lost
     comm::CompressStats stats;          // filled by the compressed collective
   };
@@ -80,6 +81,44 @@ struct DataParallel::Impl {
   comm::Codec codec = comm::Codec::none;
   std::unique_ptr<PowerSgd> powersgd;
   CommVolume volume;
+  comm::SharedMemory shared;  // valid when the buckets live in shared memory
+  size_t shared_stride = 0;   // bytes between two ranks' gradient slots
+
+  // Puts the buckets' parameters and gradient slots in memory the ranks share (collective):
+  // [values of every bucket][rank 0's gradients][rank 1's]... Rank 0's parameter values
+  // become the host's copy; every rank's tensors point at it.
+  void share_buckets() {
+    const size_t world = static_cast<size_t>(group.size());
+    const size_t align = 64 / sizeof(float);
+    size_t values = 0, grads = 0;
+    std::vector<size_t> value_at;
+    for (Bucket& b : buckets) {
+      value_at.push_back(values);
+      values += (b.padded + align - 1) / align * align;
+      b.grad_at = grads * sizeof(float);
+      grads += (b.padded + align - 1) / align * align;
+    }
+    shared_stride = grads * sizeof(float);
+    shared = group.allocate_shared(values * sizeof(float) + world * shared_stride);
+    auto* base = reinterpret_cast<float*>(shared.data());
+    const auto keep = shared.keep_alive();
+    const size_t rank = static_cast<size_t>(group.rank());
+    for (size_t bi = 0; bi < buckets.size(); ++bi) {
+      Bucket& b = buckets[bi];
+      b.grad_at += values * sizeof(float);
+      b.values = std::make_shared<Storage>(base + value_at[bi], b.padded * sizeof(float), keep);
+      b.grad = std::make_shared<Storage>(shared.data() + b.grad_at + rank * shared_stride, b.padded * sizeof(float), keep);
+    }
+    if (rank == 0) {
+      for (Bucket& b : buckets) {
+        for (size_t i = 0; i < b.params.size(); ++i) {
+          const Tensor& t = params[b.params[i]].second;
+          std::memcpy(static_cast<float*>(b.values->data) + b.offsets[i], t.data(),
+                      static_cast<size_t>(t.numel()) * sizeof(float));
+        }
+      }
+    }
+  }
 
   size_t piece_of(const Bucket& b) const { return b.padded / static_cast<size_t>(group.size()); }
 
@@ -101,7 +140,8 @@ struct DataParallel::Impl {
     const Tensor g = param.grad();
     DT_CHECK(g.defined() && g.is_contiguous() && g.dtype() == DType::f32, "ddp",
              "parameter '{}': gradient hook fired without a contiguous f32 gradient", params[index].first);
-    std::memcpy(grad_data(b) + offset, g.data(), static_cast<size_t>(g.numel()) * sizeof(float));
+    float* dst = grad_data(b) + offset;
+    if (g.data() != dst) std::memcpy(dst, g.data(), static_cast<size_t>(g.numel()) * sizeof(float));
     ready[index] = true;
     ++ready_count;
     if (--b.pending == 0 && options.overlap && !powersgd) launch_in_order();
@@ -136,6 +176,9 @@ struct DataParallel::Impl {
     volume.raw_bytes += bytes;
     if (options.zero == 0) {
       b.work = group.all_reduce_async(g, g, b.count, DataType::f32, ReduceOp::avg);
+    } else if (shared.valid()) {
+      b.work = group.reduce_scatter_shared_async(shared, b.grad_at, shared_stride, b.piece_grad->data, piece_of(b),
+                                                 DataType::f32, ReduceOp::avg);
     } else {
       b.work = group.reduce_scatter_async(g, b.piece_grad->data, piece_of(b), DataType::f32, ReduceOp::avg);
     }
@@ -194,15 +237,26 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
     cur.count += n;
   }
   close();
+  const Compression compression = parse_compression(options.compress);
+  d.codec = compression.codec;
+  if (options.zero == 1 && options.share_memory && world > 1 && d.codec == comm::Codec::none &&
+      d.group.can_share_memory()) {
+    d.share_buckets();
+  }
   for (auto& b : d.buckets) {
-    b.grad = zeroed_storage(b.padded);
+    if (!b.grad) b.grad = zeroed_storage(b.padded);
     if (options.zero > 0) {
       // The parameters move into the bucket's buffer; their tensors keep working.
-      b.values = zeroed_storage(b.padded);
+      if (!b.values) {
+        b.values = zeroed_storage(b.padded);
+        for (size_t i = 0; i < b.params.size(); ++i) {
+          const Tensor& t = d.params[b.params[i]].second;
+          std::memcpy(static_cast<float*>(b.values->data) + b.offsets[i], t.data(),
+                      static_cast<size_t>(t.numel()) * sizeof(float));
+        }
+      }
       for (size_t i = 0; i < b.params.size(); ++i) {
         Tensor& t = d.params[b.params[i]].second;
-        float* dst = static_cast<float*>(b.values->data) + b.offsets[i];
-        std::memcpy(dst, t.data(), static_cast<size_t>(t.numel()) * sizeof(float));
         TensorImpl* impl = t.impl();
         impl->storage = b.values;
         impl->offset = static_cast<int64_t>(b.offsets[i]);
@@ -216,8 +270,15 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
     }
   }
   d.ready.assign(d.params.size(), false);
-  const Compression compression = parse_compression(options.compress);
-  d.codec = compression.codec;
+  // Gradient as bucket view: linear layers write their gradients straight into the buckets
+  // (ZeRO 2 frees its full-size buffers between steps, so it keeps copying).
+  if (options.zero < 2) {
+    for (size_t k = 0; k < d.params.size(); ++k) {
+      const auto [bi, offset] = d.where[k];
+      d.params[k].second.set_grad_home(view_of(d.buckets[bi].grad, offset, d.params[k].second.shape()));
+    }
+  }
+  if (d.shared.valid()) d.group.barrier();  // rank 0's values are in place before anyone reads them
   if (compression.powersgd_rank > 0) {
     DT_CHECK(options.zero == 0, "ddp", "--compress {} needs --zero 0 (it exchanges whole low-rank gradients)",
              options.compress);
@@ -238,6 +299,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
 }
 
 DataParallel::~DataParallel() {
+  for (auto& [name, t] : impl_->params) t.set_grad_home(Tensor());
   // Buckets in flight reference our buffers: let them finish (or fail) before freeing them.
   for (auto& b : impl_->buckets) {
     if (b.launched && b.work.valid()) {
@@ -274,7 +336,9 @@ void DataParallel::broadcast_parameters() {
              "shapes); every rank must build the same model (same --model, --hidden, --layers, --width ...)",
              r, o[1], o[0], all[1], all[0]);
   }
-  for (auto& [name, t] : d.params) d.group.broadcast(t.data(), static_cast<size_t>(t.numel()), DataType::f32, 0);
+  if (!d.shared.valid()) {  // shared: every rank's tensors are rank 0's values already
+    for (auto& [name, t] : d.params) d.group.broadcast(t.data(), static_cast<size_t>(t.numel()), DataType::f32, 0);
+  }
   uint64_t h = fnv1a("", 0);
   for (const auto& [name, t] : d.params) h = fnv1a(t.data(), static_cast<size_t>(t.numel()) * sizeof(float), h);
   std::vector<uint64_t> hashes(static_cast<size_t>(world));
@@ -386,6 +450,8 @@ float DataParallel::clip_grad_norm(float max_norm) {
 
 bool DataParallel::sharded() const { return impl_->options.zero > 0; }
 
+bool DataParallel::shares_memory() const { return impl_->shared.valid(); }
+
 std::vector<Tensor> DataParallel::optimizer_params() const {
   std::vector<Tensor> out;
   if (impl_->options.zero == 0) {
@@ -399,6 +465,10 @@ std::vector<Tensor> DataParallel::optimizer_params() const {
 void DataParallel::gather_parameters() {
   Impl& d = *impl_;
   if (d.options.zero == 0) return;
+  if (d.shared.valid()) {  // every rank updated its piece of the one copy: wait until all did
+    d.group.barrier();
+    return;
+  }
   std::vector<comm::Work> works;
   for (Impl::Bucket& b : d.buckets) {
     const size_t piece = d.piece_of(b);
@@ -470,6 +540,7 @@ void DataParallel::zero_grad() {
 MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
   MemoryReport m;
   for (const auto& [name, t] : impl_->params) m.param_bytes += t.numel() * 4;
+  if (impl_->shared.valid()) m.param_bytes /= impl_->group.size();
   for (const auto& b : impl_->buckets) {
     if (impl_->options.zero == 2) {
       m.grad_bytes += static_cast<int64_t>(impl_->piece_of(b) * sizeof(float));

@@ -18,6 +18,9 @@ thread_local bool t_grad_mode = true;
 // once all of the leaf's uses delivered their gradient, so the hooks see the final value.
 struct AccumulateGrad : Node {
   std::shared_ptr<TensorImpl> leaf;
+  // gradient_buffer handed out the leaf's home in this graph: a second use of the leaf (tied
+  // weights) must not get the same buffer before the engine summed the first one.
+  bool home_taken = false;
 
   std::vector<Tensor> apply(const Tensor& g) override {
     Tensor param(leaf);
@@ -30,7 +33,11 @@ struct AccumulateGrad : Node {
     DT_CHECK(g.shape() == param.shape(), "autograd", "gradient {} for parameter {}", shape_str(g.shape()),
              shape_str(param.shape()));
     Tensor existing = param.grad();
-    if (!existing.defined()) {
+    const std::shared_ptr<TensorImpl>& home = param.impl()->grad_home;
+    if (!existing.defined() && home && g.impl()->storage == home->storage && g.impl()->offset == home->offset &&
+        g.is_contiguous()) {
+      param.set_grad(g);  // written straight into the home (gradient_buffer)
+    } else if (!existing.defined()) {
       // The gradient must own a contiguous buffer. A fresh result nobody else references
       // (the usual case: a gemm output) is adopted as is; anything that may alias another
       // tensor is copied.
@@ -98,6 +105,17 @@ void attach(Tensor& output, const std::shared_ptr<Node>& node, std::initializer_
   for (const Tensor* t : inputs) node->next.push_back(t != nullptr ? edge_for(*t) : nullptr);
   output.impl()->requires_grad = true;
   output.impl()->grad_fn = node;
+}
+
+Tensor gradient_buffer(const std::shared_ptr<Node>& edge, const Shape& shape) {
+  if (auto* acc = dynamic_cast<AccumulateGrad*>(edge.get())) {
+    const TensorImpl& leaf = *acc->leaf;
+    if (!acc->home_taken && !leaf.grad && leaf.grad_home && leaf.grad_home->shape == shape) {
+      acc->home_taken = true;
+      return Tensor(leaf.grad_home);
+    }
+  }
+  return Tensor::empty(shape);
 }
 
 void run_backward(const Tensor& root) {

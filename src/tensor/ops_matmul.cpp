@@ -90,12 +90,13 @@ struct LinearBackward : Node {
       gx = gx.reshape(x_shape);
     }
     if (next[1]) {
-      gw = Tensor::empty({out, in});
+      gw = autograd::gradient_buffer(next[1], {out, in});
       gemm(true, false, out, in, m, 1.0f, g.data(), x.data(), 0.0f, gw.data());
     }
     if (next.size() > 2 && next[2]) {
-      gb = Tensor::zeros({out});
+      gb = autograd::gradient_buffer(next[2], {out});
       float* pb = gb.data();
+      std::fill(pb, pb + out, 0.0f);
       const float* pg = g.data();
       for (int64_t r = 0; r < m; ++r) {
         const float* row = pg + r * out;

@@ -67,7 +67,13 @@ Storage::Storage(size_t n) : nbytes(n) {
   }
 }
 
+Storage::Storage(void* borrowed, size_t n, std::shared_ptr<const void> keep)
+    : data(borrowed), nbytes(n), owner(std::move(keep)) {
+  DT_CHECK(owner != nullptr, "tensor", "borrowed storage of {} bytes without an owner", n);
+}
+
 Storage::~Storage() {
+  if (owner) return;
   std::free(data);
   g_live_bytes.fetch_sub(static_cast<int64_t>(nbytes), std::memory_order_relaxed);
 }
@@ -414,6 +420,14 @@ std::shared_ptr<Node> Tensor::grad_fn() const { return checked(impl_).grad_fn; }
 
 void Tensor::backward() const { autograd::run_backward(*this); }
 void Tensor::backward(const Tensor& grad) const { autograd::run_backward(*this, grad); }
+
+void Tensor::set_grad_home(const Tensor& home) {
+  DT_CHECK(is_leaf() && requires_grad(), "autograd", "a gradient home goes on a leaf that requires grad");
+  DT_CHECK(!home.defined() || (home.shape() == shape() && home.is_contiguous() && home.dtype() == DType::f32),
+           "autograd", "gradient home {} for tensor {}: must be contiguous f32 of the same shape",
+           home.defined() ? home.str() : std::string("?"), str());
+  impl_->grad_home = home.defined() ? home.impl_ptr() : nullptr;
+}
 
 void Tensor::register_grad_ready_hook(GradReadyHook hook) {
   DT_CHECK(is_leaf() && requires_grad(), "autograd", "grad-ready hooks go on leaves that require grad");

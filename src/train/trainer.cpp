@@ -566,6 +566,7 @@ TrainResult run_training(const TrainConfig& requested) {
     o.bucket_bytes = static_cast<size_t>(cfg.bucket_mb * 1024 * 1024);
     o.zero = cfg.zero;
     o.overlap = cfg.overlap;
+    o.share_memory = cfg.share_memory;
     o.record_events = true;
     o.compress = cfg.compress;
     o.seed = cfg.seed;

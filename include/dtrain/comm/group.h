@@ -132,6 +132,26 @@ class Work {
   std::shared_ptr<State> state_;
 };
 
+/// Memory that every rank of a group on one host maps (as MPI_Win_allocate_shared): the same
+/// bytes, at its own address in each process, zeroed at creation. Copies share the mapping,
+/// which lasts until the last copy (and keep_alive()) in this process is gone. Writes by one
+/// rank are visible to the others after a collective that both took part in (a barrier).
+class SharedMemory {
+ public:
+  SharedMemory() = default;
+  bool valid() const { return mapping_ != nullptr; }
+  char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  /// Holds the mapping (e.g. for tensors whose storage is in it).
+  std::shared_ptr<const void> keep_alive() const { return mapping_; }
+
+ private:
+  friend class Group;
+  std::shared_ptr<const void> mapping_;
+  char* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 class Group {
  public:
   /// Joins group `name` as `rank` of `size` through `store` (all ranks call this).
@@ -218,6 +238,20 @@ class Group {
   /// (summed in f32 from decoded contributions, not encoded again).
   void reduce_scatter_compressed(const float* send, float* recv, size_t recv_count, Codec codec, ReduceOp op,
                                  float* residual = nullptr, CompressStats* stats = nullptr);
+
+  /// Whether allocate_shared works: every rank on this host, over the shm transport.
+  bool can_share_memory() const;
+  /// Collective (every rank calls it, in the same order as its other allocate_shared calls):
+  /// `bytes` of memory every rank maps (SharedMemory). Throws naming the transport when
+  /// can_share_memory() is false; nothing is left in /dev/shm, even after a crash.
+  SharedMemory allocate_shared(size_t bytes);
+  /// reduce_scatter with no copy in: rank q's input, size() * recv_count elements, lies in
+  /// `memory` at byte `offset + q * stride`; each rank reduces its block straight from every
+  /// input, in rank order (the same bits as reduce_scatter). The inputs must be written before
+  /// the call and stay untouched until its Work completed, which it does only after every rank
+  /// has read every input. Ordering, timeout and failure rules are the collectives'.
+  Work reduce_scatter_shared_async(const SharedMemory& memory, size_t offset, size_t stride, void* recv,
+                                   size_t recv_count, DataType dtype, ReduceOp op);
 
   Work all_reduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op);
   Work reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op);

@@ -56,6 +56,16 @@ class DirectCollectives {
                               Deadline deadline) = 0;
   /// Synchronisation only.
   virtual void barrier(Deadline deadline) = 0;
+  /// reduce_scatter without a copy in: rank q's input (size() * count elements) lies at
+  /// inputs + q * stride bytes, memory every rank maps (Group::allocate_shared). Returns when
+  /// every rank has read its block from every input, so they may be reused then.
+  /// Transports without shared memory throw TransportError(protocol).
+  virtual void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
+                                     ReduceOp op, Deadline deadline) {
+    (void)inputs, (void)stride, (void)output, (void)count, (void)dtype, (void)op, (void)deadline;
+    throw TransportError(TransportError::Kind::protocol, {}, "this transport has no shared memory", __FILE__,
+                         __LINE__);
+  }
 };
 
 class Transport {

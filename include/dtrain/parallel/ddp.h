@@ -12,6 +12,10 @@
 //     dp.synchronize();                        // waits; gradients now averaged over ranks
 //     optimizer.step(); [dp.gather_parameters() with ZeRO]; zero the gradients
 //
+// Gradient as bucket view (ZeRO 0 and 1): each parameter's gradient home
+// (Tensor::set_grad_home) is its place in its bucket, so linear layers write their gradients
+// there directly and the hook has nothing to copy.
+//
 // Buckets: the parameters in reverse order of registration (about the order backward produces
 // their gradients), packed into buckets of about `bucket_bytes`. An autograd grad-ready hook
 // copies each gradient into its bucket; a bucket whose gradients are all final starts its
@@ -36,6 +40,15 @@
 //   feedback and a warm-started Q; vectors uncompressed. Runs in synchronize() after backward
 //   (no overlap); ZeRO 0 only.
 // take_comm_volume() tells how many bytes this rank sent and what f32 would have sent.
+//
+// Shared memory (options.share_memory, ZeRO 1, every rank on one host over shm, no
+// compression): the buckets live in memory every rank maps (comm::Group::allocate_shared).
+// The parameters are ONE copy for the host, which every rank's tensors point at; each rank
+// writes its gradients into its own slot, and the reduce_scatter reads the peers' slots in
+// place (no copy in). The optimizer updates this rank's piece of the shared copy directly,
+// so gather_parameters() is a barrier instead of an all_gather. Same bits as the other
+// paths. The barrier inside synchronize() (every rank finished backward) and the one in
+// gather_parameters() (every rank finished its update) keep writes and reads apart.
 #pragma once
 
 #include <cstddef>
@@ -56,6 +69,7 @@ struct DdpOptions {
   int zero = 0;         // 0: replicate everything; 1: shard optimizer state; 2: also gradients
   bool overlap = true;  // false: start every bucket in synchronize() (for measuring overlap)
   bool record_events = false;  // keep BucketEvents for take_bucket_events() (traces)
+  bool share_memory = true;       // ZeRO 1 on one host: parameters and gradients in shared memory (above)
   std::string compress = "none";  // none | bf16 | fp16 | int8 | int4 | powersgd:RANK (see above)
   uint64_t seed = 0;              // powersgd: the initial Q (the same on every rank)
 };
@@ -77,7 +91,7 @@ struct CommVolume {
 
 /// Bytes this rank holds for the model's training state.
 struct MemoryReport {
-  int64_t param_bytes = 0;
+  int64_t param_bytes = 0;      // with shared memory: this rank's share of the host's one copy
   int64_t grad_bytes = 0;       // persistent gradient buffers (buckets or ZeRO pieces)
   int64_t optimizer_bytes = 0;  // the optimizer's state tensors
 };
@@ -123,6 +137,8 @@ class DataParallel {
   std::vector<Tensor> optimizer_params() const;
   /// True under ZeRO: optimizer_params() are pieces of buckets, not the parameters.
   bool sharded() const;
+  /// True when the parameters are one copy in memory shared by the ranks (see above).
+  bool shares_memory() const;
   /// ZeRO, collective, after the optimizer step: every rank gets every updated piece.
   void gather_parameters();
 

@@ -55,6 +55,11 @@ bool needs_grad(std::initializer_list<const Tensor*> inputs);
 void attach(Tensor& output, const std::shared_ptr<Node>& node,
             std::initializer_list<const Tensor*> inputs);
 void run_backward(const Tensor& root);
+/// An output buffer for the gradient an op sends along `edge` (one of its `next`): the leaf's
+/// gradient home (Tensor::set_grad_home) when `edge` accumulates into a leaf that has one of
+/// this shape and no gradient yet, so the result needs no copy; else a fresh uninitialised
+/// tensor.
+Tensor gradient_buffer(const std::shared_ptr<Node>& edge, const Shape& shape);
 /// Backward from `root` seeded with `grad` (same shape as root).
 void run_backward(const Tensor& root, const Tensor& grad);
 }  // namespace autograd

@@ -28,14 +28,17 @@ int64_t peak_bytes();
 void reset_peak();
 }  // namespace memory
 
-/// A 64-byte aligned, uninitialised byte buffer.
+/// A 64-byte aligned, uninitialised byte buffer; or memory owned by someone else (e.g. a
+/// mapping shared between processes), kept alive by `owner` and not counted in memory::.
 struct Storage {
   explicit Storage(size_t nbytes);
+  Storage(void* borrowed, size_t nbytes, std::shared_ptr<const void> owner);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   void* data = nullptr;
   size_t nbytes = 0;
+  std::shared_ptr<const void> owner;  // set for borrowed memory
 };
 
 class Node;
@@ -53,6 +56,7 @@ struct TensorImpl {
   std::shared_ptr<Node> grad_fn;            // set on results of differentiable ops
   std::weak_ptr<Node> grad_accumulator;     // leaves only; recreated per graph
   std::vector<GradReadyHook> grad_ready_hooks;
+  std::shared_ptr<TensorImpl> grad_home;  // leaves: where backward may write the first gradient
 };
 
 class Generator;
@@ -124,6 +128,12 @@ class Tensor {
   void backward(const Tensor& grad) const;
   /// Fires after this leaf's gradient is final for the current backward pass.
   void register_grad_ready_hook(GradReadyHook hook);
+  /// A leaf's gradient home (contiguous f32, this shape; undefined: none): while the leaf has
+  /// no gradient, ops that support it (linear layers) write the gradient straight into it,
+  /// and it becomes grad() with no copy (data parallelism's buckets: gradient as bucket view).
+  /// Later gradients accumulate into it as usual, so it must not be touched between zero_grad()
+  /// and the end of the backward that fills it.
+  void set_grad_home(const Tensor& home);
 
   TensorImpl* impl() const { return impl_.get(); }
   const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
