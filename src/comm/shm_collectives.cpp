@@ -62,6 +62,8 @@ constexpr int kClockEvery = 64;
 constexpr Duration kMaxSleep{20};
 constexpr auto kOversubscribedSpin = std::chrono::milliseconds(2);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
+// all_reduce's large path reduces its slice and publishes it in blocks of this size.
+constexpr size_t kPublishBlockBytes = size_t{32} << 10;
 
 // dst = part(0) op part(1) op ... op part(p - 1), in rank order, so every caller (and one
 // process accumulating the same vectors in order) gets the same bits; then averaged for avg.
@@ -311,13 +313,16 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     }
     // Slice `rank_` of every slot, reduced in rank order (the same order as the small path and
     // as one process accumulating micro-batches), into the output, then published in our slot.
-    if (hi > lo) {
-      char* acc = out + (off + lo) * esize;
+    // In cache-sized blocks, so that the copy into our slot reads the result from the cache.
+    const size_t block = kPublishBlockBytes / esize;
+    for (size_t b = lo; b < hi; b += block) {
+      const size_t e = std::min(hi, b + block);
+      char* acc = out + (off + b) * esize;
       auto part = [&](int q) -> const char* {
-        return q == rank_ && own_from_input ? in + (off + lo) * esize : stage(q) + lo * esize;
+        return q == rank_ && own_from_input ? in + (off + b) * esize : stage(q) + b * esize;
       };
-      reduce_in_rank_order(acc, size_, part, hi - lo, dtype, op);
-      std::memcpy(stage(rank_) + lo * esize, acc, (hi - lo) * esize);
+      reduce_in_rank_order(acc, size_, part, e - b, dtype, op);
+      std::memcpy(stage(rank_) + b * esize, acc, (e - b) * esize);
     }
     sync(deadline);
     for (int k = 1; k < size_; ++k) {  // our own slice is in the output already
