@@ -1,11 +1,13 @@
 // End-to-end tests of the dtrain tool: real processes, real data, small jobs.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -722,6 +724,40 @@ TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
                              std::to_string(rank) + "/3 64 127.0.0.1";
     EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in: " << r.output;
   }
+}
+
+// With no more workers than CPUs, local rank i runs on the i-th equal slice of the CPUs; with
+// --bind none (or more workers than CPUs) on all of them; --bind core asks for what it can get.
+TEST(Launch, BindsWorkersToDisjointCpusWhenTheyFit) {
+  cpu_set_t mine;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(mine), &mine), 0);
+  const int cpus = CPU_COUNT(&mine);
+  const std::string show = " -- sh -c 'echo cpus $(grep Cpus_allowed_list /proc/self/status | cut -f2)'";
+  auto lists = [](const std::string& out) {
+    std::vector<std::string> v;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      if (const auto at = line.find("cpus "); at != std::string::npos) v.push_back(line.substr(at + 5));
+    }
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  ProcessResult none = dtrain("launch -n 2 --bind none" + show, 30);
+  ASSERT_EQ(none.code, 0) << none.output;
+  const std::vector<std::string> all = lists(none.output);
+  ASSERT_EQ(all.size(), 2u) << none.output;
+  EXPECT_EQ(all[0], all[1]) << none.output;
+  ProcessResult bound = dtrain("launch -n 2" + show, 30);
+  ASSERT_EQ(bound.code, 0) << bound.output;
+  const std::vector<std::string> two = lists(bound.output);
+  ASSERT_EQ(two.size(), 2u) << bound.output;
+  if (cpus >= 2) {
+    EXPECT_NE(two[0], two[1]) << "two workers on " << cpus << " CPUs share them: " << bound.output;
+    EXPECT_NE(two[0], all[0]) << bound.output;
+  }
+  ProcessResult many = dtrain("launch -n " + std::to_string(cpus + 1) + " --bind core -- true", 30);
+  EXPECT_NE(many.code, 0);
+  EXPECT_NE(many.output.find("only " + std::to_string(cpus) + " CPUs to bind them to"), std::string::npos) << many.output;
 }
 
 TEST(Launch, OneFailingWorkerStopsTheRestAndIsReported) {

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +30,36 @@ extern char** environ;
 namespace dtrain::launch {
 
 namespace {
+
+// The CPU set of each local worker under o.bind (see LaunchOptions::bind); empty: no binding.
+std::vector<cpu_set_t> worker_cpus(const LaunchOptions& o) {
+  std::string bind = o.bind;
+  if (bind.empty()) {
+    const char* env = std::getenv("DTRAIN_BIND");
+    bind = env != nullptr && *env != '\0' ? env : "auto";
+  }
+  DT_CHECK(bind == "auto" || bind == "core" || bind == "none", "launch", "--bind '{}' (or DTRAIN_BIND): expected auto, core or none",
+           bind);
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  if (bind == "none" || ::sched_getaffinity(0, sizeof(mine), &mine) != 0) return {};
+  std::vector<int> allowed;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &mine)) allowed.push_back(c);
+  }
+  const size_t n = static_cast<size_t>(o.nproc_per_node);
+  if (allowed.size() < n) {
+    DT_CHECK(bind == "auto", "launch", "--bind core: {} workers but only {} CPUs to bind them to", n, allowed.size());
+    return {};
+  }
+  std::vector<cpu_set_t> out(n);
+  const size_t each = allowed.size() / n;
+  for (size_t w = 0; w < n; ++w) {
+    CPU_ZERO(&out[w]);
+    for (size_t k = w * each; k < (w + 1) * each; ++k) CPU_SET(allowed[k], &out[w]);
+  }
+  return out;
+}
 
 int g_signal_pipe[2] = {-1, -1};
 
@@ -222,6 +253,8 @@ LaunchResult run_launch(const LaunchOptions& o) {
     if (::mkdtemp(tmpl.data()) != nullptr) flight_dir = tmpl;
   }
 
+  // CPUs for each local worker (empty: no binding).
+  std::vector<cpu_set_t> cpus = worker_cpus(o);
   const int world = o.nnodes * o.nproc_per_node;
   std::vector<Worker> workers(static_cast<size_t>(o.nproc_per_node));
   for (int local = 0; local < o.nproc_per_node; ++local) {
@@ -246,6 +279,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
       ::setpgid(0, 0);  // its own process group, so stopping a worker stops its children too
       ::dup2(out[1], STDOUT_FILENO);
       ::dup2(err[1], STDERR_FILENO);
+      if (!cpus.empty()) (void)::sched_setaffinity(0, sizeof(cpu_set_t), &cpus[static_cast<size_t>(local)]);
       ::setenv("RANK", std::to_string(w.rank).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);

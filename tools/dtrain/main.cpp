@@ -53,6 +53,9 @@ int main(int argc, char** argv) {
                      "elastic: a worker that failed on two starts in a row is dropped while at least this many "
                      "remain (0: never)")
       ->capture_default_str();
+  launch->add_option("--bind", launch_opts.bind,
+                     "CPU binding: core (local rank i gets the i-th equal slice of the CPUs), none, or auto: core "
+                     "when -n <= CPUs (default; also DTRAIN_BIND)");
   launch->add_option("command", launch_opts.command, "PROGRAM ARGS... (after --)")->required();
 
   dtrain::tools::BenchOptions bench_opts;

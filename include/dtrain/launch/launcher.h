@@ -21,6 +21,11 @@ struct LaunchOptions {
   bool prefix_output = true;
   int max_restarts = 0;            // after a failure, start all workers again (DTRAIN_RESTART=attempt)
   int min_workers = 0;             // elastic: fewest workers to go on with (0: all of -n)
+  /// CPU binding of the workers: "core" gives local rank i the i-th equal slice of the CPUs
+  /// this launcher may use (needs -n <= CPUs), "none" leaves them to the scheduler, "auto"
+  /// (the default) binds when -n <= CPUs. "" means DTRAIN_BIND, else auto. Bound ranks never
+  /// share a core, so one rank's waiting does not slow another's compute, and timings hold.
+  std::string bind;
   /// Elastic nodes (--nnodes MIN:MAX): see run_elastic. 0: a fixed --nnodes.
   int min_nodes = 0, max_nodes = 0;
   double last_call_seconds = 3.0;     // elastic: once MIN nodes joined a round, wait this long for more
