@@ -33,7 +33,13 @@ ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THRE
 KiB, MiB = 1 << 10, 1 << 20
 
 # mpirun settings (see bench/README.md, "Open MPI settings", for how they were chosen).
-MPI_BASE = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+MPI_BASE = ["--allow-run-as-root", "--oversubscribe"]
+
+
+def mpi_binding(n, cores):
+    """mpirun's own default binds ranks to cores when they fit (dtrain launch does the same);
+    with more ranks than cores it must not bind."""
+    return ["--bind-to", "core" if n <= cores else "none"]
 MPI_MCA = {"pml": "ob1", "btl": "self,vader"}
 
 # The targets, ratio = dtrain / baseline.
@@ -148,7 +154,7 @@ def tool_cmd(a, tool, n, json_path, variant=None):
         args = []
         for k, v in mca.items():
             args += ["--mca", k, v]
-        return [a.mpirun] + MPI_BASE + ["-np", str(n)] + args + [a.mpi_exe] + sweep
+        return [a.mpirun] + MPI_BASE + mpi_binding(n, a.cores) + ["-np", str(n)] + args + [a.mpi_exe] + sweep
     if tool == "gloo":
         return [a.python, os.path.join(HERE, "gloo_allreduce.py"), "-n", str(n), "--op-timeout",
                 str(int(a.timeout))] + sweep
@@ -468,7 +474,7 @@ def main():
     if targets:
         print(f"targets: {sum(t['ok'] for t in targets)}/{len(targets)} met")
     mca = " ".join(f"--mca {k} {v}" for k, v in mpi_mca(a).items())
-    print(f"openmpi: mpirun {' '.join(MPI_BASE)} -np N {mca}, settings {a.mpi_settings} "
+    print(f"openmpi: mpirun {' '.join(MPI_BASE)} --bind-to core (none when N > cores) -np N {mca}, settings {a.mpi_settings} "
           f"(cores {a.cores}); gloo: TCP loopback, 1 thread/process; "
           f"total {time.perf_counter() - t_start:.0f} s")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
