@@ -754,10 +754,25 @@ TEST(Launch, BindsWorkersToDisjointCpusWhenTheyFit) {
   if (cpus >= 2) {
     EXPECT_NE(two[0], two[1]) << "two workers on " << cpus << " CPUs share them: " << bound.output;
     EXPECT_NE(two[0], all[0]) << bound.output;
+    // A bound worker still learns how many CPUs the job has (its waits depend on it).
+    ProcessResult env = dtrain("launch -n 2 -- sh -c 'echo job_cpus=$DTRAIN_JOB_CPUS'", 30);
+    EXPECT_NE(env.output.find("job_cpus=" + std::to_string(cpus / 2 * 2)), std::string::npos) << env.output;
   }
   ProcessResult many = dtrain("launch -n " + std::to_string(cpus + 1) + " --bind core -- true", 30);
   EXPECT_NE(many.code, 0);
   EXPECT_NE(many.output.find("only " + std::to_string(cpus) + " CPUs to bind them to"), std::string::npos) << many.output;
+}
+
+// Shared memory a worker created but never unlinked (killed before its peers mapped it) is
+// removed by the launcher once the worker is gone; the names carry the creator's pid.
+TEST(Launch, RemovesSharedMemoryADeadWorkerLeft) {
+  ProcessResult r = dtrain(
+      "launch -n 1 -- sh -c 'echo pid $$; : > /dev/shm/dtrain-leaktest-$$-0123456789abcdef; kill -9 $$'", 30);
+  EXPECT_NE(r.code, 0) << r.output;
+  const auto at = r.output.find("pid ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string pid = r.output.substr(at + 4, r.output.find('\n', at) - at - 4);
+  EXPECT_FALSE(fs::exists("/dev/shm/dtrain-leaktest-" + pid + "-0123456789abcdef")) << r.output;
 }
 
 TEST(Launch, OneFailingWorkerStopsTheRestAndIsReported) {

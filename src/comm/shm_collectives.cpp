@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <cstring>
 #include <string>
@@ -142,7 +143,9 @@ Collectives::Collectives(const Segment& segment, int rank, int size, std::functi
   phase_ = seg_.rank(rank_).arrived.load(std::memory_order_relaxed);
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
-  const int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  // A launcher that bound this rank to a slice of the CPUs says how many the job has.
+  if (const char* all = std::getenv("DTRAIN_JOB_CPUS"); all != nullptr && std::atoi(all) > 0) cores = std::atoi(all);
   oversubscribed_ = size_ > cores;
 }
 

@@ -537,7 +537,17 @@ T rendezvous(Store& store, const std::string& prefix, const char* what, int rank
   };
   if (rank == 0) {
     const std::string name = shm::make_segment_name(prefix);
-    T object = create(name);
+    T object = [&] {
+      try {
+        return create(name);
+      } catch (const std::exception& e) {
+        try {  // the others hear why at once instead of at their deadline
+          store.set(name_key, std::string("!") + e.what());
+        } catch (...) {
+        }
+        throw;
+      }
+    }();
     try {
       store.set(name_key, name);
       if (size > 1) wait_ready(object);
@@ -557,6 +567,11 @@ T rendezvous(Store& store, const std::string& prefix, const char* what, int rank
                          fmt::format("shm: rank {} waited {} ms for rank 0 to publish the {}'s name (store key '{}')",
                                      rank, timeout.count(), what, name_key),
                          __FILE__, __LINE__);
+  }
+  if (name.starts_with("!")) {
+    throw TransportError(TransportError::Kind::protocol, {0},
+                         fmt::format("shm: rank 0 could not create the {}: {}", what, name.substr(1)), __FILE__,
+                         __LINE__);
   }
   try {
     T object = open(name);

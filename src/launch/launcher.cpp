@@ -31,6 +31,24 @@ namespace dtrain::launch {
 
 namespace {
 
+// Shared memory a worker created and did not unlink: killed while the others had not mapped it
+// yet. Names embed the creator's pid (shm::make_segment_name): /dev/shm/dtrain-...-PID-RANDOM.
+void remove_shm_of(pid_t pid) {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  const std::string tag = "-" + std::to_string(pid) + "-";
+  std::vector<std::string> doomed;
+  while (const dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    const size_t at = name.rfind(tag);
+    if (name.starts_with("dtrain-") && at != std::string::npos && name.size() == at + tag.size() + 16) {
+      doomed.push_back("/dev/shm/" + name);
+    }
+  }
+  ::closedir(dir);
+  for (const auto& path : doomed) (void)::unlink(path.c_str());
+}
+
 // The CPU set of each local worker under o.bind (see LaunchOptions::bind); empty: no binding.
 std::vector<cpu_set_t> worker_cpus(const LaunchOptions& o) {
   std::string bind = o.bind;
@@ -255,6 +273,8 @@ LaunchResult run_launch(const LaunchOptions& o) {
 
   // CPUs for each local worker (empty: no binding).
   std::vector<cpu_set_t> cpus = worker_cpus(o);
+  int job_cpus = 0;
+  for (const cpu_set_t& c : cpus) job_cpus += CPU_COUNT(&c);
   const int world = o.nnodes * o.nproc_per_node;
   std::vector<Worker> workers(static_cast<size_t>(o.nproc_per_node));
   for (int local = 0; local < o.nproc_per_node; ++local) {
@@ -279,7 +299,10 @@ LaunchResult run_launch(const LaunchOptions& o) {
       ::setpgid(0, 0);  // its own process group, so stopping a worker stops its children too
       ::dup2(out[1], STDOUT_FILENO);
       ::dup2(err[1], STDERR_FILENO);
-      if (!cpus.empty()) (void)::sched_setaffinity(0, sizeof(cpu_set_t), &cpus[static_cast<size_t>(local)]);
+      if (!cpus.empty()) {
+        (void)::sched_setaffinity(0, sizeof(cpu_set_t), &cpus[static_cast<size_t>(local)]);
+        ::setenv("DTRAIN_JOB_CPUS", std::to_string(job_cpus).c_str(), 1);  // not its slice: see shm_collectives
+      }
       ::setenv("RANK", std::to_string(w.rank).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
@@ -391,6 +414,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
       int status = 0;
       if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
       w.running = false;
+      remove_shm_of(w.pid);
       if (WIFSIGNALED(status)) {
         w.exit.signal = WTERMSIG(status);
       } else {

@@ -6,9 +6,12 @@
 #include <cstring>
 #include <numeric>
 
+#include <sys/statvfs.h>
+
 #include <fmt/format.h>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/log.h"
 #include "dtrain/comm/compress.h"
 #include "dtrain/tensor/autograd.h"
 #include "powersgd.h"
@@ -99,7 +102,23 @@ struct DataParallel::Impl {
       grads += (b.padded + align - 1) / align * align;
     }
     shared_stride = grads * sizeof(float);
-    shared = group.allocate_shared(values * sizeof(float) + world * shared_stride);
+    const size_t bytes = values * sizeof(float) + world * shared_stride;
+    // Every rank must take the same path: share only if /dev/shm has room as every rank sees it.
+    struct statvfs fs {};
+    int64_t room = ::statvfs("/dev/shm", &fs) == 0 && static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
+                                                          1.05 * static_cast<double>(bytes) + (64 << 20);
+    group.all_reduce(&room, &room, 1, DataType::i64, ReduceOp::min);
+    if (room == 0) {
+      if (group.rank() == 0) {
+        DT_LOG_WARN("ZeRO-1: /dev/shm has no room for the {} MiB of parameters and gradients the ranks would share; "
+                    "copying through the collectives instead (make /dev/shm larger, e.g. docker --shm-size)",
+                    bytes >> 20);
+      }
+      for (Bucket& b : buckets) b.grad_at = 0;
+      shared_stride = 0;
+      return;
+    }
+    shared = group.allocate_shared(bytes);
     auto* base = reinterpret_cast<float*>(shared.data());
     const auto keep = shared.keep_alive();
     const size_t rank = static_cast<size_t>(group.rank());
@@ -240,7 +259,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   const Compression compression = parse_compression(options.compress);
   d.codec = compression.codec;
   if (options.zero == 1 && options.share_memory && world > 1 && d.codec == comm::Codec::none &&
-      d.group.can_share_memory()) {
+      compression.powersgd_rank == 0 && d.group.can_share_memory()) {
     d.share_buckets();
   }
   for (auto& b : d.buckets) {
@@ -299,7 +318,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
 }
 
 DataParallel::~DataParallel() {
-  for (auto& [name, t] : impl_->params) t.set_grad_home(Tensor());
+  for (auto& [name, t] : impl_->params) t.impl()->grad_home.reset();
   // Buckets in flight reference our buffers: let them finish (or fail) before freeing them.
   for (auto& b : impl_->buckets) {
     if (b.launched && b.work.valid()) {

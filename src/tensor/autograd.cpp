@@ -25,6 +25,7 @@ struct AccumulateGrad : Node {
   std::vector<Tensor> apply(const Tensor& g) override {
     Tensor param(leaf);
     accumulate(param, g);
+    home_taken = false;  // a node that outlives its graph may hand the home out again
     return {};
   }
   const char* name() const override { return "accumulate_grad"; }
