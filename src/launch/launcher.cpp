@@ -236,6 +236,11 @@ LaunchResult run_launch(const LaunchOptions& o) {
            "--node-rank {} out of range for --nnodes {}", o.node_rank, o.nnodes);
   DT_CHECK(o.nnodes == 1 || o.master_port > 0, "launch", "--master-port is required with --nnodes {}", o.nnodes);
   DT_CHECK(o.master_port >= 0 && o.master_port < 65536, "launch", "--master-port {} out of range", o.master_port);
+  // CPUs for each local worker (empty: no binding); a bad --bind fails here, before anything
+  // (store, signal handlers, flight directory) exists.
+  const std::vector<cpu_set_t> cpus = worker_cpus(o);
+  int job_cpus = 0;
+  for (const cpu_set_t& c : cpus) job_cpus += CPU_COUNT(&c);
 
   std::string secret = o.secret;
   if (secret.empty()) {
@@ -271,10 +276,6 @@ LaunchResult run_launch(const LaunchOptions& o) {
     if (::mkdtemp(tmpl.data()) != nullptr) flight_dir = tmpl;
   }
 
-  // CPUs for each local worker (empty: no binding).
-  std::vector<cpu_set_t> cpus = worker_cpus(o);
-  int job_cpus = 0;
-  for (const cpu_set_t& c : cpus) job_cpus += CPU_COUNT(&c);
   const int world = o.nnodes * o.nproc_per_node;
   std::vector<Worker> workers(static_cast<size_t>(o.nproc_per_node));
   for (int local = 0; local < o.nproc_per_node; ++local) {

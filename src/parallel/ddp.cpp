@@ -88,21 +88,22 @@ struct DataParallel::Impl {
   size_t shared_stride = 0;   // bytes between two ranks' gradient slots
 
   // Puts the buckets' parameters and gradient slots in memory the ranks share (collective):
-  // [values of every bucket][rank 0's gradients][rank 1's]... Rank 0's parameter values
-  // become the host's copy; every rank's tensors point at it.
+  // [values of every bucket][rank 0's gradients][rank 1's]..., each part `stride` bytes. Rank
+  // 0's parameter values become the host's copy; every rank's tensors point at it. Without
+  // room in /dev/shm it leaves `shared` invalid (the copying path).
   void share_buckets() {
     const size_t world = static_cast<size_t>(group.size());
     const size_t align = 64 / sizeof(float);
-    size_t values = 0, grads = 0;
-    std::vector<size_t> value_at;
-    for (Bucket& b : buckets) {
-      value_at.push_back(values);
-      values += (b.padded + align - 1) / align * align;
-      b.grad_at = grads * sizeof(float);
-      grads += (b.padded + align - 1) / align * align;
+    // Each bucket's place (in floats) in the values and in every rank's gradient slot: the
+    // same offsets, as both hold `padded` floats, 64-byte aligned.
+    size_t floats = 0;
+    std::vector<size_t> at;
+    for (const Bucket& b : buckets) {
+      at.push_back(floats);
+      floats += (b.padded + align - 1) / align * align;
     }
-    shared_stride = grads * sizeof(float);
-    const size_t bytes = values * sizeof(float) + world * shared_stride;
+    const size_t stride = floats * sizeof(float);
+    const size_t bytes = (1 + world) * stride;
     // Every rank must take the same path: share only if /dev/shm has room as every rank sees it.
     struct statvfs fs {};
     int64_t room = ::statvfs("/dev/shm", &fs) == 0 && static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
@@ -114,19 +115,17 @@ struct DataParallel::Impl {
                     "copying through the collectives instead (make /dev/shm larger, e.g. docker --shm-size)",
                     bytes >> 20);
       }
-      for (Bucket& b : buckets) b.grad_at = 0;
-      shared_stride = 0;
       return;
     }
     shared = group.allocate_shared(bytes);
-    auto* base = reinterpret_cast<float*>(shared.data());
+    shared_stride = stride;
     const auto keep = shared.keep_alive();
     const size_t rank = static_cast<size_t>(group.rank());
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       Bucket& b = buckets[bi];
-      b.grad_at += values * sizeof(float);
-      b.values = std::make_shared<Storage>(base + value_at[bi], b.padded * sizeof(float), keep);
-      b.grad = std::make_shared<Storage>(shared.data() + b.grad_at + rank * shared_stride, b.padded * sizeof(float), keep);
+      b.grad_at = stride + at[bi] * sizeof(float);
+      b.values = std::make_shared<Storage>(shared.data() + at[bi] * sizeof(float), b.padded * sizeof(float), keep);
+      b.grad = std::make_shared<Storage>(shared.data() + b.grad_at + rank * stride, b.padded * sizeof(float), keep);
     }
     if (rank == 0) {
       for (Bucket& b : buckets) {
