@@ -290,6 +290,32 @@ TEST_F(Cli, ParallelLayoutsEqualOneProcess) {
   }
 }
 
+// Gradient clipping on every layout: the norm is over the whole model, whether the gradients
+// sit in stages, tensor-parallel shards or ZeRO pieces, so every layout clips like one process.
+TEST_F(Cli, ClippingOnEveryLayoutEqualsOneProcess) {
+  const std::string gpt = "train --model gpt --data text:" + corpus() +
+                          " --layers 2 --heads 4 --width 32 --seq-len 16 --batch-size 8 --steps 4 --optimizer sgd"
+                          " --lr 0.05 --progress=false";
+  ProcessResult one = dtrain(gpt + " --clip-grad 0.05 --save " + path("clip_one.dtm"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  // The clip matters: without it the model ends elsewhere.
+  ProcessResult free = dtrain(gpt + " --save " + path("clip_free.dtm"));
+  ASSERT_EQ(free.code, 0) << free.output;
+  EXPECT_NE(dtrain("diff --tol 1e-5 --quiet " + path("clip_one.dtm") + " " + path("clip_free.dtm")).code, 0)
+      << "--clip-grad 0.05 did not change the run";
+  const std::vector<std::string> layouts = {"--dp 2 --tp 2",
+                                            "--dp 2 --tp 2 --zero 1",
+                                            "--dp 2 --pp 2 --micro-batches 2 --zero 2",
+                                            "--tp 2 --pp 2 --micro-batches 2 --stages 0-1,2-3"};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const std::string name = "clip" + std::to_string(i) + ".dtm";
+    ProcessResult r = dtrain(gpt + " --clip-grad 0.05 " + layouts[i] + " --save " + path(name), 300);
+    ASSERT_EQ(r.code, 0) << layouts[i] << ": " << r.output;
+    ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("clip_one.dtm") + " " + path(name));
+    EXPECT_EQ(d.code, 0) << layouts[i] << ": " << d.output;
+  }
+}
+
 // Activation memory: with 1f1b a stage holds at most P micro-batches, with gpipe all M.
 TEST_F(Cli, OneFOneBHoldsFewerActivationsThanGpipe) {
   const std::string gpt = "train --model gpt --data text:" + corpus() +

@@ -449,21 +449,60 @@ float DataParallel::clip_grad_norm(float max_norm) {
     for (auto& [name, t] : d.params) ps.push_back(t);
     return max_norm > 0 ? optim::clip_grad_norm(ps, max_norm) : optim::clip_grad_norm(ps, 1e30f);
   }
-  double sq = 0.0;
-  for (Impl::Bucket& b : d.buckets) {
-    const float* g = static_cast<const float*>(b.piece_grad->data);
-    for (size_t i = 0, n = d.piece_of(b); i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
-  }
+  double sq = grad_square_sum();
   d.group.all_reduce(&sq, &sq, 1, DataType::f64, ReduceOp::sum);
   const float norm = static_cast<float>(std::sqrt(sq));
-  if (max_norm > 0 && norm > max_norm) {
-    const float scale = max_norm / (norm + 1e-6f);
-    for (Impl::Bucket& b : d.buckets) {
-      float* g = static_cast<float*>(b.piece_grad->data);
-      for (size_t i = 0, n = d.piece_of(b); i < n; ++i) g[i] *= scale;
+  if (max_norm > 0 && norm > max_norm) scale_grads(max_norm / (norm + 1e-6f));
+  return norm;
+}
+
+double DataParallel::grad_square_sum(const std::function<bool(const std::string&)>& counted) const {
+  const Impl& d = *impl_;
+  double sq = 0.0;
+  auto add = [&sq](const float* g, size_t n) {
+    for (size_t i = 0; i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
+  };
+  if (d.options.zero == 0) {
+    for (const auto& [name, t] : d.params) {
+      if ((counted && !counted(name)) || !t.grad().defined()) continue;
+      const Tensor g = t.grad().contiguous();
+      add(g.data(), static_cast<size_t>(g.numel()));
+    }
+    return sq;
+  }
+  const size_t rank = static_cast<size_t>(d.group.rank());
+  for (const Impl::Bucket& b : d.buckets) {
+    const float* g = static_cast<const float*>(b.piece_grad->data);
+    const size_t piece = d.piece_of(b), lo = rank * piece, hi = lo + piece;
+    if (!counted) {
+      add(g, piece);  // the padding past the last parameter holds zeros
+      continue;
+    }
+    // The part of each counted parameter that falls in this rank's piece.
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const auto& [name, t] = d.params[b.params[k]];
+      if (!counted(name)) continue;
+      const size_t begin = std::max(lo, b.offsets[k]);
+      const size_t end = std::min(hi, b.offsets[k] + static_cast<size_t>(t.numel()));
+      if (begin < end) add(g + (begin - lo), end - begin);
     }
   }
-  return norm;
+  return sq;
+}
+
+void DataParallel::scale_grads(float factor) {
+  Impl& d = *impl_;
+  NoGradGuard no_grad;
+  if (d.options.zero == 0) {
+    for (auto& [name, t] : d.params) {
+      if (t.grad().defined()) t.grad().copy_from(t.grad() * factor);
+    }
+    return;
+  }
+  for (Impl::Bucket& b : d.buckets) {
+    float* g = static_cast<float*>(b.piece_grad->data);
+    for (size_t i = 0, n = d.piece_of(b); i < n; ++i) g[i] *= factor;
+  }
 }
 
 bool DataParallel::sharded() const { return impl_->options.zero > 0; }

@@ -281,8 +281,6 @@ void finalize(TrainConfig& c) {
            "--max-restarts {} needs --checkpoint-dir (a restart resumes from the last checkpoint)", c.max_restarts);
   DT_CHECK(c.zero == 0 || c.dp > 1, "config", "--zero {} shards over data-parallel ranks: it needs --dp 2 or more",
            c.zero);
-  DT_CHECK(c.clip_grad <= 0.0f || c.zero == 0 || (c.pp == 1 && c.tp == 1), "config",
-           "--clip-grad with --zero and --pp/--tp together is not supported yet");
   if (gpt) {
     DT_CHECK(c.layers > 0 && c.width > 0 && c.seq_len > 0 && c.heads > 0, "config",
              "--layers {}, --width {}, --seq-len {}, --heads {} must be positive", c.layers, c.width, c.seq_len,

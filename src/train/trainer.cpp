@@ -430,7 +430,7 @@ CheckpointShard checkpoint_shard(int64_t step, const nn::Model& model, const opt
 // parameters by name from the shards of the writer's first replica (its stages with this
 // rank's tensor-parallel coordinate), its optimizer state cut to this layout.
 void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, nn::Model& model,
-                        optim::Optimizer& optimizer, const parallel::DataParallel* ddp, const parallel::MeshCoord& coord) {
+                        optim::Optimizer& optimizer, parallel::DataParallel* ddp, const parallel::MeshCoord& coord) {
   const nlohmann::json& lay = found.layout;
   const parallel::MeshShape old{lay.at("dp").get<int>(), lay.at("pp").get<int>(), lay.at("tp").get<int>()};
   std::map<std::string, Tensor> params, state;
@@ -445,12 +445,16 @@ void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, 
   }
   auto named = model.named_parameters();
   NoGradGuard no_grad;
+  // Ranks that share one copy of the parameters (ZeRO-1 on one host): the first writes it, and
+  // the others wait for it below instead of writing the same bytes at the same time.
+  const bool shared = ddp != nullptr && ddp->shares_memory();
   for (auto& [name, p] : named) {
     auto it = params.find(name);
     DT_CHECK(it != params.end() && it->second.shape() == p.shape(), "train",
              "checkpoint step {} has no parameter '{}' of shape {}", found.step, name, shape_str(p.shape()));
-    p.copy_from(it->second);
+    if (!shared || coord.dp == 0) p.copy_from(it->second);
   }
+  if (shared) ddp->gather_parameters();  // in shared memory, a barrier
   // The state kinds, and per kind one tensor per parameter of this rank (undefined: none).
   std::map<std::string, std::vector<Tensor>> kinds;
   for (const auto& [key, t] : state) {
@@ -756,22 +760,33 @@ TrainResult run_training(const TrainConfig& requested) {
         }
       } else {
         // Stages and shards hold different gradients: the norm is summed over the mesh, each
-        // replicated tensor-parallel parameter counted once, each data-parallel replica once.
-        double sq = 0.0;
-        for (const auto& [name, p] : model->named_parameters()) {
+        // replicated tensor-parallel parameter counted once, each data-parallel replica once
+        // (under ZeRO the replicas hold disjoint pieces, so each piece counts whole).
+        auto counted = [&](const std::string& name) {
           auto it = shard_specs.find(name);
-          const bool counted = coord.tp == 0 || (it != shard_specs.end() && it->second.dim >= 0);
-          if (!counted || !p.grad().defined()) continue;
-          for (float g : p.grad().to_vector()) sq += static_cast<double>(g) * g;
+          return coord.tp == 0 || (it != shard_specs.end() && it->second.dim >= 0);
+        };
+        double sq = 0.0;
+        if (ddp && ddp->sharded()) {
+          sq = ddp->grad_square_sum(counted);
+        } else {
+          for (const auto& [name, p] : model->named_parameters()) {
+            if (!counted(name) || !p.grad().defined()) continue;
+            for (float g : p.grad().to_vector()) sq += static_cast<double>(g) * g;
+          }
+          sq /= cfg.dp;
         }
-        sq /= cfg.dp;
         group->all_reduce(&sq, &sq, 1, comm::DataType::f64, comm::ReduceOp::sum);
         const double norm = std::sqrt(sq);
         if (norm > cfg.clip_grad) {
           const float scale = static_cast<float>(cfg.clip_grad / (norm + 1e-6));
-          NoGradGuard no_grad;
-          for (Tensor p : optimizer->params()) {
-            if (p.grad().defined()) p.grad().copy_from(p.grad() * scale);
+          if (ddp) {
+            ddp->scale_grads(scale);
+          } else {
+            NoGradGuard no_grad;
+            for (Tensor p : optimizer->params()) {
+              if (p.grad().defined()) p.grad().copy_from(p.grad() * scale);
+            }
           }
         }
       }

@@ -53,6 +53,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -132,6 +133,14 @@ class DataParallel {
   /// Global L2 norm of the synchronised gradients; scales them to `max_norm` when larger
   /// (max_norm <= 0: only measures). Collective under ZeRO.
   float clip_grad_norm(float max_norm);
+
+  /// Sum of the squares of this rank's share of the synchronised gradients, over the parameters
+  /// `counted(name)` accepts (all when empty). The share is every gradient without ZeRO, and this
+  /// rank's pieces under ZeRO (the ranks' pieces are disjoint). Local: not reduced across ranks.
+  /// With scale_grads, the building block of a norm over more than this group (pp/tp meshes).
+  double grad_square_sum(const std::function<bool(const std::string&)>& counted = {}) const;
+  /// Multiplies this rank's share of the synchronised gradients by `factor`.
+  void scale_grads(float factor);
 
   /// ZeRO: the tensors the optimizer owns on this rank. Without ZeRO: the model's parameters.
   std::vector<Tensor> optimizer_params() const;
