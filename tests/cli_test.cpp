@@ -20,6 +20,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dtrain/launch/launcher.h"
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -791,6 +793,26 @@ TEST(Launch, BindsWorkersToDisjointCpusWhenTheyFit) {
 
 // Shared memory a worker created but never unlinked (killed before its peers mapped it) is
 // removed by the launcher once the worker is gone; the names carry the creator's pid.
+// Binding on an SMT machine numbered as Linux often does (siblings i and i + 4): workers get
+// whole cores while they fit, and no core is split between two workers that could each have one.
+TEST(Launch, BindingKeepsSmtSiblingsTogether) {
+  using dtrain::launch::assign_cpus;
+  using dtrain::launch::LogicalCpu;
+  std::vector<LogicalCpu> smt;
+  for (int id = 0; id < 8; ++id) smt.push_back({id, 0, id % 4});
+  using Slices = std::vector<std::vector<int>>;
+  EXPECT_EQ(assign_cpus(smt, 1), (Slices{{0, 4, 1, 5, 2, 6, 3, 7}}));
+  EXPECT_EQ(assign_cpus(smt, 2), (Slices{{0, 4, 1, 5}, {2, 6, 3, 7}}));
+  EXPECT_EQ(assign_cpus(smt, 3), (Slices{{0, 4}, {1, 5}, {2, 6}}));
+  EXPECT_EQ(assign_cpus(smt, 4), (Slices{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(assign_cpus(smt, 8), (Slices{{0}, {4}, {1}, {5}, {2}, {6}, {3}, {7}}));
+  EXPECT_TRUE(assign_cpus(smt, 9).empty());
+  EXPECT_TRUE(assign_cpus(smt, 0).empty());
+  // Two packages reuse core ids; CPUs without topology are cores of their own.
+  EXPECT_EQ(assign_cpus({{0, 0, 0}, {1, 1, 0}}, 2), (Slices{{0}, {1}}));
+  EXPECT_EQ(assign_cpus({{0, -1, -1}, {1, -1, -1}, {2, -1, -1}}, 3), (Slices{{0}, {1}, {2}}));
+}
+
 TEST(Launch, RemovesSharedMemoryADeadWorkerLeft) {
   ProcessResult r = dtrain(
       "launch -n 1 -- sh -c 'echo pid $$; : > /dev/shm/dtrain-leaktest-$$-0123456789abcdef; kill -9 $$'", 30);

@@ -49,6 +49,14 @@ void remove_shm_of(pid_t pid) {
   for (const auto& path : doomed) (void)::unlink(path.c_str());
 }
 
+// A topology figure of logical CPU `cpu` from sysfs (physical_package_id, core_id); -1 if absent.
+int read_topology(int cpu, const char* what) {
+  std::ifstream in(fmt::format("/sys/devices/system/cpu/cpu{}/topology/{}", cpu, what));
+  int v = -1;
+  if (!(in >> v)) return -1;
+  return v;
+}
+
 // The CPU set of each local worker under o.bind (see LaunchOptions::bind); empty: no binding.
 std::vector<cpu_set_t> worker_cpus(const LaunchOptions& o) {
   std::string bind = o.bind;
@@ -61,20 +69,20 @@ std::vector<cpu_set_t> worker_cpus(const LaunchOptions& o) {
   cpu_set_t mine;
   CPU_ZERO(&mine);
   if (bind == "none" || ::sched_getaffinity(0, sizeof(mine), &mine) != 0) return {};
-  std::vector<int> allowed;
+  std::vector<LogicalCpu> allowed;
   for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &mine)) allowed.push_back(c);
+    if (CPU_ISSET(c, &mine)) allowed.push_back({c, read_topology(c, "physical_package_id"), read_topology(c, "core_id")});
   }
   const size_t n = static_cast<size_t>(o.nproc_per_node);
-  if (allowed.size() < n) {
+  const std::vector<std::vector<int>> slices = assign_cpus(allowed, n);
+  if (slices.empty()) {
     DT_CHECK(bind == "auto", "launch", "--bind core: {} workers but only {} CPUs to bind them to", n, allowed.size());
     return {};
   }
   std::vector<cpu_set_t> out(n);
-  const size_t each = allowed.size() / n;
   for (size_t w = 0; w < n; ++w) {
     CPU_ZERO(&out[w]);
-    for (size_t k = w * each; k < (w + 1) * each; ++k) CPU_SET(allowed[k], &out[w]);
+    for (int c : slices[w]) CPU_SET(c, &out[w]);
   }
   return out;
 }
@@ -217,6 +225,40 @@ void remove_directory(const std::string& dir) {
 }
 
 }  // namespace
+
+std::vector<std::vector<int>> assign_cpus(const std::vector<LogicalCpu>& cpus, size_t n) {
+  if (n == 0 || n > cpus.size()) return {};
+  // Cores in the order of their first CPU, each with its SMT siblings; a CPU without topology
+  // is a core of its own.
+  std::vector<std::vector<int>> cores;
+  std::vector<std::pair<int, int>> keys;  // (package, core) of each entry of `cores`
+  for (const LogicalCpu& c : cpus) {
+    const std::pair<int, int> key{c.package, c.core};
+    auto it = c.core < 0 ? keys.end() : std::find(keys.begin(), keys.end(), key);
+    if (it == keys.end()) {
+      keys.push_back(c.core < 0 ? std::pair<int, int>{-1, -1 - c.id} : key);
+      cores.push_back({c.id});
+    } else {
+      cores[static_cast<size_t>(it - keys.begin())].push_back(c.id);
+    }
+  }
+  std::vector<std::vector<int>> out(n);
+  if (n <= cores.size()) {  // whole cores: no two workers on one core
+    const size_t each = cores.size() / n;
+    for (size_t w = 0; w < n; ++w) {
+      for (size_t k = w * each; k < (w + 1) * each; ++k) out[w].insert(out[w].end(), cores[k].begin(), cores[k].end());
+    }
+    return out;
+  }
+  std::vector<int> order;  // logical CPUs core by core: a core's siblings go to neighbouring workers
+  for (const auto& core : cores) order.insert(order.end(), core.begin(), core.end());
+  const size_t each = order.size() / n;
+  for (size_t w = 0; w < n; ++w) {
+    out[w].assign(order.begin() + static_cast<ptrdiff_t>(w * each), order.begin() + static_cast<ptrdiff_t>((w + 1) * each));
+  }
+  return out;
+}
+
 
 void finish_together(comm::Store& store, const std::string& done_key, int64_t members, bool wait,
                      const std::string& stop_key) {

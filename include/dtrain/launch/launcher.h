@@ -22,8 +22,8 @@ struct LaunchOptions {
   int max_restarts = 0;            // after a failure, start all workers again (DTRAIN_RESTART=attempt)
   int min_workers = 0;             // elastic: fewest workers to go on with (0: all of -n)
   /// CPU binding of the workers: "core" gives local rank i the i-th equal slice of the CPUs
-  /// this launcher may use (needs -n <= CPUs), "none" leaves them to the scheduler, "auto"
-  /// (the default) binds when -n <= CPUs. "" means DTRAIN_BIND, else auto. Bound ranks never
+  /// this launcher may use, whole cores while -n <= cores (see assign_cpus; needs -n <= CPUs),
+  /// "none" leaves them to the scheduler, "auto" (the default) binds when -n <= CPUs. "" means DTRAIN_BIND, else auto. Bound ranks never
   /// share a core, so one rank's waiting does not slow another's compute, and timings hold.
   std::string bind;
   /// Elastic nodes (--nnodes MIN:MAX): see run_elastic. 0: a fixed --nnodes.
@@ -58,6 +58,19 @@ struct LaunchResult {
   std::vector<int> first_failed;
   int received_signal = 0;   // the launcher itself was told to stop (SIGINT, SIGTERM)
 };
+
+/// One logical CPU the launcher may use, with its place in the machine (from sysfs; -1 when
+/// unknown, which makes every CPU its own core).
+struct LogicalCpu {
+  int id = 0;
+  int package = -1;
+  int core = -1;  // core_id within the package: SMT siblings share it
+};
+
+/// The CPUs of each of `n` local workers under binding: whole cores when n <= cores (SMT
+/// siblings stay together, so no two workers share a core), otherwise logical CPUs taken core
+/// by core; empty when n > CPUs. Every worker gets the same number.
+std::vector<std::vector<int>> assign_cpus(const std::vector<LogicalCpu>& cpus, size_t n);
 
 /// Runs the job to completion. Throws dtrain::Error for bad options (before starting anything).
 LaunchResult run_launch(const LaunchOptions& options);
