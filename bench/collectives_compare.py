@@ -15,6 +15,8 @@ as JSON. The tools:
            variants (busy-poll/yield, or two single-copy mechanisms when oversubscribed) and keeps
            each size's faster (bench/README.md)
   gloo     bench/gloo_allreduce.py (torch.distributed, backend gloo, TCP loopback)
+Before and after every sweep, bench/core_latency.c measures the core-to-core cache-line round
+trip: on a virtual machine it tells which runs met CPUs that the host placed far apart.
 See bench/README.md.
 """
 import argparse
@@ -133,6 +135,39 @@ def build_mpi(a):
     return exe
 
 
+def build_probe(a):
+    """bench/core_latency.c (the core-to-core round trip measured around every sweep), built with
+    --cc into bench/results/; None when it cannot be built (the runs then go without it)."""
+    exe = os.path.join(HERE, "results", "core_latency")
+    src = os.path.join(HERE, "core_latency.c")
+    if os.path.exists(exe) and os.path.getmtime(exe) >= os.path.getmtime(src):
+        return exe
+    os.makedirs(os.path.dirname(exe), exist_ok=True)
+    cmd = [a.cc, "-O2", "-pthread", "-o", exe, src]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"WARNING: {' '.join(cmd)}: {e}; running without the core-to-core probe", file=sys.stderr)
+        return None
+    if r.returncode != 0:
+        print(f"WARNING: {' '.join(cmd)} failed; running without the core-to-core probe\n{r.stderr}",
+              file=sys.stderr)
+        return None
+    log(a, f"built {os.path.relpath(exe, ROOT)}")
+    return exe
+
+
+def probe(a):
+    """The core-to-core round trip in ns now (None without the probe or when it fails)."""
+    if not a.probe_exe:
+        return None
+    try:
+        r = subprocess.run([a.probe_exe], capture_output=True, text=True, timeout=30)
+        return json.loads(r.stdout).get("round_trip_ns") if r.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
 def mpi_mca(a):
     mca = dict(MPI_MCA)
     for kv in filter(None, a.mpi_mca.split(",") if a.mpi_mca else []):
@@ -167,8 +202,11 @@ def run_sweep(a, tool, n, variant=None):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, f"{tool}.json")
         cmd = tool_cmd(a, tool, n, path, variant)
+        before = probe(a)
         ok, msg, tail, wall = run(cmd, a.timeout, f"{label}, world {n}")
-        log(a, f"  [{wall:6.1f}s] {tool:8s} {'ok' if ok else 'FAILED'}: {' '.join(cmd)}")
+        after = probe(a)
+        rt = "" if before is None or after is None else f" (core round trip {before:.0f}/{after:.0f} ns)"
+        log(a, f"  [{wall:6.1f}s] {tool:8s} {'ok' if ok else 'FAILED'}{rt}: {' '.join(cmd)}")
         if not ok:
             return None, f"{msg}\n  command: {' '.join(cmd)}\n  output tail:\n{tail}"
         try:
@@ -187,6 +225,7 @@ def run_sweep(a, tool, n, variant=None):
     if problems:
         return None, f"{label}, world {n}: JSON: {'; '.join(problems)}"
     rec["wall_s"] = round(wall, 2)
+    rec["core_round_trip_ns"] = [before, after]
     if tool == "openmpi":
         rec["mpirun"] = cmd[:cmd.index(a.mpi_exe)]
     return rec, ""
@@ -243,6 +282,7 @@ def run_tool(a, tool, n, repeat):
         merged["rows"].append(row)
     merged["memcpy_GBs"] = statistics.median(r["memcpy_GBs"] for r in recs)
     merged["wall_s"] = round(sum(r["wall_s"] for r in recs), 2)
+    merged["core_round_trip_ns"] = [x for r in recs for x in r.get("core_round_trip_ns", [])]
     merged["variant"] = "best per size of " + " | ".join(r["variant"] for r in recs)
     return merged, ""
 
@@ -363,12 +403,31 @@ def print_world(a, n, runs, agg):
                 wins[k] = wins.get(k, 0) + 1
         print("openmpi settings that gave each size's p50 (sizes x repeats): " +
               "; ".join(f"{k}: {v}" for k, v in sorted(wins.items())))
+    print_placement(runs, tools)
     for t in tools:
         for b, r in agg[t]["rows"].items():
             if r["wrong"]:
                 msg = f"!!! WRONG RESULTS: {t}, world {n}, {human(b)}: {r['wrong']} wrong elements !!!"
                 print(msg)
                 print(msg, file=sys.stderr)
+
+
+def print_placement(runs, tools):
+    """Per tool, the core-to-core round trips measured around its runs, and how many runs met a
+    far placement (a round trip over twice the fastest seen: the host ran the CPUs far apart)."""
+    trips = {t: [[x for x in rec.get("core_round_trip_ns", []) if x is not None] for rec in runs.get(t, [])]
+             for t in tools}
+    seen = [x for per in trips.values() for rec in per for x in rec]
+    if not seen:
+        return
+    fast = min(seen)
+    parts = []
+    for t in tools:
+        far = sum(1 for rec in trips[t] if rec and max(rec) > 2 * fast)
+        parts.append(f"{t} {far}/{len(trips[t])} [" + " ".join("/".join(f"{x:.0f}" for x in rec)
+                                                             for rec in trips[t]) + "]")
+    print(f"core-to-core round trip before/after each run, ns (bench/core_latency.c; runs over 2x the "
+          f"fastest, {fast:.0f} ns, met a far placement and run slower): " + "; ".join(parts))
 
 
 def check_targets(a, n, runs, agg):
@@ -415,6 +474,7 @@ def main():
     p.add_argument("--algo", default="auto", help="dtrain --algo")
     p.add_argument("--python", default="/usr/bin/python3", help="interpreter with PyTorch (gloo)")
     p.add_argument("--mpicc", default="mpicc")
+    p.add_argument("--cc", default="cc", help="C compiler for the core-to-core probe (bench/core_latency.c)")
     p.add_argument("--mpirun", default="mpirun")
     p.add_argument("--mpi-mca", default="", help="extra/overriding mpirun --mca settings, e.g. "
                    "'mpi_yield_when_idle=0,btl_vader_single_copy_mechanism=none'")
@@ -441,6 +501,7 @@ def main():
     if "gloo" in a.tools and not os.access(a.python, os.X_OK):
         sys.exit(f"{a.python}: not found (the gloo side needs Debian's python3-torch: scripts/install-deps --bench)")
     a.mpi_exe = build_mpi(a) if "openmpi" in a.tools else None
+    a.probe_exe = build_probe(a)
 
     results, errors, targets = {}, [], []
     t_start = time.perf_counter()
