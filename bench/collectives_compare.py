@@ -3,9 +3,10 @@
 
     /usr/bin/python3 bench/collectives_compare.py [--worlds 2,4] [--max-bytes 256M] [--repeats 3]
 
-For each world size and repeat, runs every tool once over the same sweep (powers of two from
---min-bytes to --max-bytes, f32 sum, same --iters/--warmup, --check), rotating which tool goes
-first, so background load hits all alike. Then prints per world size a table of medians over
+For each world size, repeat and size (powers of two from --min-bytes to --max-bytes, f32 sum,
+same --iters/--warmup, --check), runs every tool back to back, rotating which goes first, so
+background load and the machine's state hit all alike (--interleave sweep: each tool's whole
+sweep in turn). Then prints per world size a table of medians over
 the repeats (p50 latency and busbw per size), dtrain/baseline ratios, busbw as a fraction of
 the run's single-core memcpy bandwidth, and a check of the targets; everything goes to --out
 as JSON. The tools:
@@ -176,8 +177,9 @@ def mpi_mca(a):
     return mca
 
 
-def tool_cmd(a, tool, n, json_path, variant=None):
-    sweep = ["--min-bytes", str(a.min_bytes), "--max-bytes", str(a.max_bytes), "--iters", str(a.iters),
+def tool_cmd(a, tool, n, json_path, variant=None, span=None):
+    lo, hi = span or (a.min_bytes, a.max_bytes)
+    sweep = ["--min-bytes", str(lo), "--max-bytes", str(hi), "--iters", str(a.iters),
              "--warmup", str(a.warmup), "--check", "--json", json_path]
     if tool == "dtrain":
         # in place, like MPI_IN_PLACE in mpi_allreduce.c and torch's all_reduce
@@ -196,12 +198,13 @@ def tool_cmd(a, tool, n, json_path, variant=None):
     raise ValueError(tool)
 
 
-def run_sweep(a, tool, n, variant=None):
-    """One sweep of one tool; returns (record or None, error message)."""
+def run_sweep(a, tool, n, variant=None, span=None):
+    """One sweep of one tool over span (lo, hi) (default the whole sweep); returns (record or None,
+    error message)."""
     label = tool if not variant else f"{tool} ({variant_name(variant)})"
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, f"{tool}.json")
-        cmd = tool_cmd(a, tool, n, path, variant)
+        cmd = tool_cmd(a, tool, n, path, variant, span)
         before = probe(a)
         ok, msg, tail, wall = run(cmd, a.timeout, f"{label}, world {n}")
         after = probe(a)
@@ -220,7 +223,7 @@ def run_sweep(a, tool, n, variant=None):
     if rec.get("world") != n:
         problems.append(f"world is {rec.get('world')!r}")
     got = [r.get("bytes") for r in rec.get("rows", [])]
-    if got != sizes(a.min_bytes, a.max_bytes):
+    if got != sizes(*(span or (a.min_bytes, a.max_bytes))):
         problems.append(f"sizes {got[:3]}..{got[-1:]} do not match the sweep")
     if problems:
         return None, f"{label}, world {n}: JSON: {'; '.join(problems)}"
@@ -248,16 +251,16 @@ def mpi_variants(a, n):
             {"mpi_yield_when_idle": "1", "btl_vader_single_copy_mechanism": "none"}]
 
 
-def run_tool(a, tool, n, repeat):
+def run_tool(a, tool, n, repeat, span=None):
     """One repeat of one tool; for openmpi with several variants, per size the one with the lower p50."""
     if tool != "openmpi":
-        return run_sweep(a, tool, n)
+        return run_sweep(a, tool, n, span=span)
     variants = mpi_variants(a, n)
     if repeat % 2:
         variants = variants[::-1]  # alternate which variant goes first
     recs, errs = [], []
     for v in variants:
-        rec, err = run_sweep(a, tool, n, v)
+        rec, err = run_sweep(a, tool, n, v, span)
         if rec is None:
             errs.append(err)
         else:
@@ -285,6 +288,18 @@ def run_tool(a, tool, n, repeat):
     merged["core_round_trip_ns"] = [x for r in recs for x in r.get("core_round_trip_ns", [])]
     merged["variant"] = "best per size of " + " | ".join(r["variant"] for r in recs)
     return merged, ""
+
+
+def merge_sizes(recs):
+    """One record per tool and repeat from its single-size runs (--interleave size)."""
+    merged = dict(recs[0])
+    merged["rows"] = [row for rec in recs for row in rec["rows"]]
+    merged["memcpy_GBs"] = statistics.median(r["memcpy_GBs"] for r in recs if r.get("memcpy_GBs")) \
+        if any(r.get("memcpy_GBs") for r in recs) else None
+    merged["wall_s"] = round(sum(r["wall_s"] for r in recs), 2)
+    merged["core_round_trip_ns"] = [x for r in recs for x in r.get("core_round_trip_ns", [])]
+    merged["size_runs"] = len(recs)
+    return merged
 
 
 def summary(values):
@@ -469,6 +484,9 @@ def main():
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (each tool)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (each tool)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--interleave", choices=["size", "sweep"], default="size",
+                   help="size: per repeat, every tool runs each size back to back (the tools of one size "
+                   "run seconds apart); sweep: every tool runs its whole sweep in turn (fewer launches)")
     p.add_argument("--tools", default="dtrain,openmpi,gloo")
     p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "release", "tools", "dtrain", "dtrain"))
     p.add_argument("--algo", default="auto", help="dtrain --algo")
@@ -508,16 +526,36 @@ def main():
     for n in worlds:
         runs = {t: [] for t in a.tools}
         for r in range(a.repeats):
-            order = a.tools[r % len(a.tools):] + a.tools[:r % len(a.tools)]  # rotate who goes first
-            log(a, f"world {n}, repeat {r + 1}/{a.repeats}: {', '.join(order)}")
-            for tool in order:
-                rec, err = run_tool(a, tool, n, r)
-                if rec is None:
-                    errors.append(err)
-                    print(f"ERROR: {err}", file=sys.stderr, flush=True)
-                    continue
-                rec["repeat"] = r
-                runs[tool].append(rec)
+            if a.interleave == "sweep":
+                order = a.tools[r % len(a.tools):] + a.tools[:r % len(a.tools)]  # rotate who goes first
+                log(a, f"world {n}, repeat {r + 1}/{a.repeats}: {', '.join(order)}")
+                for tool in order:
+                    rec, err = run_tool(a, tool, n, r)
+                    if rec is None:
+                        errors.append(err)
+                        print(f"ERROR: {err}", file=sys.stderr, flush=True)
+                        continue
+                    rec["repeat"] = r
+                    runs[tool].append(rec)
+                continue
+            # One size at a time, every tool back to back, so that the tools of one size run
+            # seconds apart (what the machine does changes from minute to minute).
+            log(a, f"world {n}, repeat {r + 1}/{a.repeats}, size by size")
+            per_tool = {t: [] for t in a.tools}
+            for i, b in enumerate(sizes(a.min_bytes, a.max_bytes)):
+                k = (r + i) % len(a.tools)
+                for tool in a.tools[k:] + a.tools[:k]:
+                    rec, err = run_tool(a, tool, n, r, (b, b))
+                    if rec is None:
+                        errors.append(err)
+                        print(f"ERROR: {err}", file=sys.stderr, flush=True)
+                        continue
+                    per_tool[tool].append(rec)
+            for tool, recs in per_tool.items():
+                if len(recs) == len(sizes(a.min_bytes, a.max_bytes)):
+                    rec = merge_sizes(recs)
+                    rec["repeat"] = r
+                    runs[tool].append(rec)
         agg = aggregate(a, {t: v for t, v in runs.items() if v})
         print_world(a, n, runs, agg)
         targets += check_targets(a, n, runs, agg)
