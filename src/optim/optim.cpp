@@ -173,7 +173,7 @@ float LrSchedule::at(int64_t step) const {
   return min_lr + static_cast<float>(0.5 * (1.0 + std::cos(M_PI * progress))) * (base_lr - min_lr);
 }
 
-float clip_grad_norm(const std::vector<Tensor>& params, float max_norm) {
+double grad_square_sum(const std::vector<Tensor>& params) {
   double sq = 0.0;
   for (const auto& p : params) {
     Tensor g = p.grad();
@@ -181,16 +181,21 @@ float clip_grad_norm(const std::vector<Tensor>& params, float max_norm) {
     const float* pg = g.data();
     for (int64_t j = 0, n = g.numel(); j < n; ++j) sq += static_cast<double>(pg[j]) * pg[j];
   }
-  const auto norm = static_cast<float>(std::sqrt(sq));
-  if (max_norm > 0.0f && norm > max_norm) {
-    const float scale = max_norm / (norm + 1e-6f);
-    for (const auto& p : params) {
-      Tensor g = p.grad();
-      if (!g.defined()) continue;
-      float* pg = g.data();
-      for (int64_t j = 0, n = g.numel(); j < n; ++j) pg[j] *= scale;
-    }
+  return sq;
+}
+
+void scale_grads(const std::vector<Tensor>& params, float factor) {
+  for (const auto& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    float* pg = g.data();
+    for (int64_t j = 0, n = g.numel(); j < n; ++j) pg[j] *= factor;
   }
+}
+
+float clip_grad_norm(const std::vector<Tensor>& params, float max_norm) {
+  const auto norm = static_cast<float>(std::sqrt(grad_square_sum(params)));
+  if (max_norm > 0.0f && norm > max_norm) scale_grads(params, max_norm / (norm + 1e-6f));
   return norm;
 }
 

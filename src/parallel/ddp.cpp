@@ -463,12 +463,11 @@ double DataParallel::grad_square_sum(const std::function<bool(const std::string&
     for (size_t i = 0; i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
   };
   if (d.options.zero == 0) {
+    std::vector<Tensor> ps;
     for (const auto& [name, t] : d.params) {
-      if ((counted && !counted(name)) || !t.grad().defined()) continue;
-      const Tensor g = t.grad().contiguous();
-      add(g.data(), static_cast<size_t>(g.numel()));
+      if (!counted || counted(name)) ps.push_back(t);
     }
-    return sq;
+    return optim::grad_square_sum(ps);
   }
   const size_t rank = static_cast<size_t>(d.group.rank());
   for (const Impl::Bucket& b : d.buckets) {
@@ -492,11 +491,10 @@ double DataParallel::grad_square_sum(const std::function<bool(const std::string&
 
 void DataParallel::scale_grads(float factor) {
   Impl& d = *impl_;
-  NoGradGuard no_grad;
   if (d.options.zero == 0) {
-    for (auto& [name, t] : d.params) {
-      if (t.grad().defined()) t.grad().copy_from(t.grad() * factor);
-    }
+    std::vector<Tensor> ps;
+    for (auto& [name, t] : d.params) ps.push_back(t);
+    optim::scale_grads(ps, factor);
     return;
   }
   for (Impl::Bucket& b : d.buckets) {

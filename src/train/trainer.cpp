@@ -767,14 +767,15 @@ TrainResult run_training(const TrainConfig& requested) {
           return coord.tp == 0 || (it != shard_specs.end() && it->second.dim >= 0);
         };
         double sq = 0.0;
-        if (ddp && ddp->sharded()) {
+        if (ddp) {
           sq = ddp->grad_square_sum(counted);
+          if (!ddp->sharded()) sq /= cfg.dp;  // every replica holds the whole gradient
         } else {
+          std::vector<Tensor> ps;
           for (const auto& [name, p] : model->named_parameters()) {
-            if (!counted(name) || !p.grad().defined()) continue;
-            for (float g : p.grad().to_vector()) sq += static_cast<double>(g) * g;
+            if (counted(name)) ps.push_back(p);
           }
-          sq /= cfg.dp;
+          sq = optim::grad_square_sum(ps);
         }
         group->all_reduce(&sq, &sq, 1, comm::DataType::f64, comm::ReduceOp::sum);
         const double norm = std::sqrt(sq);
@@ -783,10 +784,7 @@ TrainResult run_training(const TrainConfig& requested) {
           if (ddp) {
             ddp->scale_grads(scale);
           } else {
-            NoGradGuard no_grad;
-            for (Tensor p : optimizer->params()) {
-              if (p.grad().defined()) p.grad().copy_from(p.grad() * scale);
-            }
+            optim::scale_grads(optimizer->params(), scale);
           }
         }
       }

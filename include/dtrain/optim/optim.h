@@ -84,5 +84,10 @@ struct LrSchedule {
 /// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
 /// before clipping. max_norm <= 0 only measures.
 float clip_grad_norm(const std::vector<Tensor>& params, float max_norm);
+/// The sum of the squares of the params' gradients (params without one are skipped): the
+/// building block of a norm summed over ranks (pipeline stages, tensor shards).
+double grad_square_sum(const std::vector<Tensor>& params);
+/// Multiplies the params' gradients by `factor`, in place.
+void scale_grads(const std::vector<Tensor>& params, float factor);
 
 }  // namespace dtrain::optim
