@@ -168,6 +168,11 @@ struct Group::Impl {
   std::deque<Inflight> inflight;
   size_t inflight_count = 0;  // inflight.size(), readable under mu
 
+  // Under mu, after an inline call cleared `busy`: whether the progress thread has anything to
+  // do. Waking it for nothing costs every small collective a context switch, tens of
+  // microseconds when ranks share cores.
+  bool progress_needed() const { return !queue.empty() || inflight_count > 0 || waits_for_idle; }
+
   void run() {
     ::pthread_setname_np(::pthread_self(), "dtrain-progress");  // as top, gdb and the tests see it
     int idle_polls = 0;
@@ -325,7 +330,7 @@ struct Group::Impl {
         std::lock_guard<std::mutex> lock(mu);
         busy = false;
         inflight_count = inflight.size();
-        wake = !queue.empty() || inflight_count > 0 || waits_for_idle;
+        wake = progress_needed();
       }
       if (wake) cv.notify_all();
       return Work(state);
@@ -410,10 +415,8 @@ struct Group::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       busy = false;
-      wake = !queue.empty() || inflight_count > 0 || waits_for_idle;
+      wake = progress_needed();
     }
-    // Only when the progress thread has something to do: waking it for nothing costs every
-    // small collective a context switch, tens of microseconds when ranks share cores.
     if (wake) cv.notify_all();
     if (err) std::rethrow_exception(err);
     return true;

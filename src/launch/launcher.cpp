@@ -236,29 +236,28 @@ std::vector<std::vector<int>> assign_cpus(const std::vector<LogicalCpu>& cpus, s
     const std::pair<int, int> key{c.package, c.core};
     auto it = c.core < 0 ? keys.end() : std::find(keys.begin(), keys.end(), key);
     if (it == keys.end()) {
-      keys.push_back(c.core < 0 ? std::pair<int, int>{-1, -1 - c.id} : key);
+      keys.push_back(key);
       cores.push_back({c.id});
     } else {
       cores[static_cast<size_t>(it - keys.begin())].push_back(c.id);
     }
   }
-  std::vector<std::vector<int>> out(n);
-  if (n <= cores.size()) {  // whole cores: no two workers on one core
-    const size_t each = cores.size() / n;
-    for (size_t w = 0; w < n; ++w) {
-      for (size_t k = w * each; k < (w + 1) * each; ++k) out[w].insert(out[w].end(), cores[k].begin(), cores[k].end());
+  // More workers than cores: each logical CPU a unit of its own, still core by core, so a
+  // core's siblings go to neighbouring workers.
+  if (n > cores.size()) {
+    std::vector<std::vector<int>> units;
+    for (const auto& core : cores) {
+      for (int id : core) units.push_back({id});
     }
-    return out;
+    cores = std::move(units);
   }
-  std::vector<int> order;  // logical CPUs core by core: a core's siblings go to neighbouring workers
-  for (const auto& core : cores) order.insert(order.end(), core.begin(), core.end());
-  const size_t each = order.size() / n;
+  std::vector<std::vector<int>> out(n);
+  const size_t each = cores.size() / n;
   for (size_t w = 0; w < n; ++w) {
-    out[w].assign(order.begin() + static_cast<ptrdiff_t>(w * each), order.begin() + static_cast<ptrdiff_t>((w + 1) * each));
+    for (size_t k = w * each; k < (w + 1) * each; ++k) out[w].insert(out[w].end(), cores[k].begin(), cores[k].end());
   }
   return out;
 }
-
 
 void finish_together(comm::Store& store, const std::string& done_key, int64_t members, bool wait,
                      const std::string& stop_key) {

@@ -23,8 +23,9 @@ struct LaunchOptions {
   int min_workers = 0;             // elastic: fewest workers to go on with (0: all of -n)
   /// CPU binding of the workers: "core" gives local rank i the i-th equal slice of the CPUs
   /// this launcher may use, whole cores while -n <= cores (see assign_cpus; needs -n <= CPUs),
-  /// "none" leaves them to the scheduler, "auto" (the default) binds when -n <= CPUs. "" means DTRAIN_BIND, else auto. Bound ranks never
-  /// share a core, so one rank's waiting does not slow another's compute, and timings hold.
+  /// "none" leaves them to the scheduler, "auto" (the default) binds when -n <= CPUs. "" means
+  /// DTRAIN_BIND, else auto. While -n <= cores, bound ranks never share a core, so one rank's
+  /// waiting does not slow another's compute, and timings hold.
   std::string bind;
   /// Elastic nodes (--nnodes MIN:MAX): see run_elastic. 0: a fixed --nnodes.
   int min_nodes = 0, max_nodes = 0;
