@@ -291,7 +291,8 @@ def run_tool(a, tool, n, repeat, span=None):
 
 
 def merge_sizes(recs):
-    """One record per tool and repeat from its single-size runs (--interleave size)."""
+    """One record per tool and repeat from its runs over parts of the sweep (--interleave size:
+    one per size; sweep: the one run)."""
     merged = dict(recs[0])
     merged["rows"] = [row for rec in recs for row in rec["rows"]]
     merged["memcpy_GBs"] = statistics.median(r["memcpy_GBs"] for r in recs if r.get("memcpy_GBs")) \
@@ -525,34 +526,25 @@ def main():
     t_start = time.perf_counter()
     for n in worlds:
         runs = {t: [] for t in a.tools}
+        all_sizes = sizes(a.min_bytes, a.max_bytes)
+        # --interleave size: one size at a time, every tool back to back, so that the tools of
+        # one size run seconds apart (what the machine does changes from minute to minute);
+        # sweep: every tool's whole sweep in turn.
+        spans = [(b, b) for b in all_sizes] if a.interleave == "size" else [(a.min_bytes, a.max_bytes)]
         for r in range(a.repeats):
-            if a.interleave == "sweep":
-                order = a.tools[r % len(a.tools):] + a.tools[:r % len(a.tools)]  # rotate who goes first
-                log(a, f"world {n}, repeat {r + 1}/{a.repeats}: {', '.join(order)}")
-                for tool in order:
-                    rec, err = run_tool(a, tool, n, r)
-                    if rec is None:
-                        errors.append(err)
-                        print(f"ERROR: {err}", file=sys.stderr, flush=True)
-                        continue
-                    rec["repeat"] = r
-                    runs[tool].append(rec)
-                continue
-            # One size at a time, every tool back to back, so that the tools of one size run
-            # seconds apart (what the machine does changes from minute to minute).
-            log(a, f"world {n}, repeat {r + 1}/{a.repeats}, size by size")
+            log(a, f"world {n}, repeat {r + 1}/{a.repeats}" + (", size by size" if len(spans) > 1 else ""))
             per_tool = {t: [] for t in a.tools}
-            for i, b in enumerate(sizes(a.min_bytes, a.max_bytes)):
-                k = (r + i) % len(a.tools)
+            for i, span in enumerate(spans):
+                k = (r + i) % len(a.tools)  # rotate who goes first
                 for tool in a.tools[k:] + a.tools[:k]:
-                    rec, err = run_tool(a, tool, n, r, (b, b))
+                    rec, err = run_tool(a, tool, n, r, span)
                     if rec is None:
                         errors.append(err)
                         print(f"ERROR: {err}", file=sys.stderr, flush=True)
                         continue
                     per_tool[tool].append(rec)
             for tool, recs in per_tool.items():
-                if len(recs) == len(sizes(a.min_bytes, a.max_bytes)):
+                if len(recs) == len(spans):  # a tool with a failed size sits this repeat out
                     rec = merge_sizes(recs)
                     rec["repeat"] = r
                     runs[tool].append(rec)

@@ -791,8 +791,6 @@ TEST(Launch, BindsWorkersToDisjointCpusWhenTheyFit) {
   EXPECT_NE(many.output.find("only " + std::to_string(cpus) + " CPUs to bind them to"), std::string::npos) << many.output;
 }
 
-// Shared memory a worker created but never unlinked (killed before its peers mapped it) is
-// removed by the launcher once the worker is gone; the names carry the creator's pid.
 // Binding on an SMT machine numbered as Linux often does (siblings i and i + 4): workers get
 // whole cores while they fit, and no core is split between two workers that could each have one.
 TEST(Launch, BindingKeepsSmtSiblingsTogether) {
@@ -813,6 +811,8 @@ TEST(Launch, BindingKeepsSmtSiblingsTogether) {
   EXPECT_EQ(assign_cpus({{0, -1, -1}, {1, -1, -1}, {2, -1, -1}}, 3), (Slices{{0}, {1}, {2}}));
 }
 
+// Shared memory a worker created but never unlinked (killed before its peers mapped it) is
+// removed by the launcher once the worker is gone; the names carry the creator's pid.
 TEST(Launch, RemovesSharedMemoryADeadWorkerLeft) {
   ProcessResult r = dtrain(
       "launch -n 1 -- sh -c 'echo pid $$; : > /dev/shm/dtrain-leaktest-$$-0123456789abcdef; kill -9 $$'", 30);
