@@ -1,12 +1,15 @@
 // Rendezvous stores: one behavioural suite over the memory, file and TCP stores, then the TCP
 // server's defences (authentication, malformed frames) and its wire format.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -317,6 +320,60 @@ TEST(FileStoreTest, AddIsAtomicAcrossProcesses) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
   }
   EXPECT_EQ(dc::make_file_store(dir.path())->get("n", 0ms), std::to_string(kProcesses * kAdds));
+}
+
+// A rank stopped (SIGSTOP, a debugger) while it writes one key must not hold up the writers of
+// other keys: every survivor's heartbeat writes its own key through this store, and with one
+// lock for the directory a victim stopped mid-heartbeat silenced them all until the lock
+// timeout (the Heartbeat fault test failed so, rarely, under load).
+TEST(FileStoreTest, AWriterStoppedHoldingOneKeyHoldsUpThatKeyOnly) {
+  TempDir dir;
+  auto store = dc::make_file_store(dir.path());
+  store->set("a", "1");
+  int locked[2];
+  ASSERT_EQ(::pipe(locked), 0);
+  const pid_t holder = ::fork();
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {  // takes key a's lock as a writer would, and stops holding it
+    const int fd = ::open((dir.path() + "/.lock.k.a").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    const char ok = fd >= 0 && ::flock(fd, LOCK_EX) == 0 ? 1 : 0;
+    (void)!::write(locked[1], &ok, 1);
+    ::raise(SIGSTOP);
+    ::_exit(0);
+  }
+  ::close(locked[1]);
+  char ok = 0;
+  const bool got = ::read(locked[0], &ok, 1) == 1 && ok == 1;
+  ::close(locked[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(holder, &status, WUNTRACED), holder);  // stopped, lock held
+  const auto cleanup = [&] {
+    ::kill(holder, SIGKILL);
+    ::waitpid(holder, &status, 0);
+  };
+  if (!got || !WIFSTOPPED(status)) {
+    cleanup();
+    FAIL() << "the lock holder did not take the lock and stop";
+  }
+  // Other keys: each write completes (bounded, so a regression fails instead of hanging).
+  auto others = std::async(std::launch::async, [&] {
+    store->set("b", "2");
+    store->add("n", 5);
+    return store->compare_set("c", "", "3");
+  });
+  const bool others_done = others.wait_for(10s) == std::future_status::ready;
+  // Key a: its writers wait for the stopped holder.
+  auto blocked = std::async(std::launch::async, [&] { store->set("a", "4"); });
+  const bool a_waited = blocked.wait_for(300ms) == std::future_status::timeout;
+  cleanup();  // the kernel drops the holder's flock, and the waiting set goes through
+  ASSERT_TRUE(others_done) << "writes of other keys waited for the stopped holder of key a";
+  EXPECT_EQ(others.get(), "3");
+  EXPECT_TRUE(a_waited) << "a write of key a did not wait for the holder of its lock";
+  ASSERT_EQ(blocked.wait_for(10s), std::future_status::ready);
+  blocked.get();
+  EXPECT_EQ(store->get("a", 0ms), "4");
+  EXPECT_EQ(store->get("b", 0ms), "2");
+  EXPECT_EQ(store->get("n", 0ms), "5");
 }
 
 // ---- TCP store: the server's defences ----

@@ -3,11 +3,13 @@
 // Key k lives in "k.<percent-encoded k>" (bytes outside [A-Za-z0-9_-] become %XX), or in
 // "h.<sha256 hex of k>" when that name would be too long for a file name. Values are written
 // to a dot-file and renamed into place, so a reader sees the old value or the new one, never a
-// torn one. Writers (set, add, compare_set) hold flock on ".lock" so that add and compare_set
-// are atomic across threads and processes (each call opens its own descriptor, and flock
-// locks are per open file). Threads of one process first queue on a mutex shared by all
-// handles on the directory, so only processes contend on the (polled) flock. get and wait
-// poll with a backoff from 1 ms to 50 ms.
+// torn one. Writers (set, add, compare_set) of key k hold flock on ".lock.<file name of k>" so
+// that add and compare_set are atomic across threads and processes (each call opens its own
+// descriptor, and flock locks are per open file). The lock is per key: a process stopped or
+// hung while it writes one key (a SIGSTOP, a debugger) holds up the writers of that key only,
+// not every rank's heartbeat. Threads of one process first queue on a mutex per lock file,
+// shared by all handles, so only processes contend on the (polled) flock. get and wait poll
+// with a backoff from 1 ms to 50 ms.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -64,20 +66,26 @@ std::string file_name(const std::string& key) {
   return name;
 }
 
-// One mutex per directory for every handle in this process.
-std::shared_ptr<std::timed_mutex> process_lock_for(const std::string& dir) {
+// One mutex per lock file for every handle in this process; `canonical_path` names the file
+// whatever path the handle was opened with. Entries of released locks are dropped as they go.
+std::shared_ptr<std::timed_mutex> process_lock_for(const std::string& canonical_path) {
   static std::mutex registry_mu;
   static std::map<std::string, std::weak_ptr<std::timed_mutex>> registry;
-  std::error_code ec;
-  const std::string key = std::filesystem::weakly_canonical(dir, ec).string();
   std::lock_guard<std::mutex> lock(registry_mu);
-  auto& slot = registry[ec ? dir : key];
+  for (auto it = registry.begin(); it != registry.end();) it = it->second.expired() ? registry.erase(it) : ++it;
+  auto& slot = registry[canonical_path];
   auto mu = slot.lock();
   if (!mu) {
     mu = std::make_shared<std::timed_mutex>();
     slot = mu;
   }
   return mu;
+}
+
+std::string canonical_dir(const std::string& dir) {
+  std::error_code ec;
+  const std::string canonical = std::filesystem::weakly_canonical(dir, ec).string();
+  return ec ? dir : canonical;
 }
 
 std::string join_keys(const std::vector<std::string>& keys) {
@@ -89,10 +97,10 @@ std::string join_keys(const std::vector<std::string>& keys) {
 
 class FileStore : public Store {
  public:
-  explicit FileStore(std::string dir) : dir_(std::move(dir)), process_lock_(process_lock_for(dir_)) {}
+  explicit FileStore(std::string dir) : dir_(std::move(dir)), canonical_dir_(canonical_dir(dir_)) {}
 
   void set(const std::string& key, const std::string& value) override {
-    Lock lock(*this, "store.set");
+    Lock lock(*this, "store.set", key);
     write_atomic("store.set", key, value);
   }
 
@@ -111,7 +119,7 @@ class FileStore : public Store {
   std::optional<std::string> try_get(const std::string& key) override { return read("store.try_get", key); }
 
   int64_t add(const std::string& key, int64_t delta) override {
-    Lock lock(*this, "store.add");
+    Lock lock(*this, "store.add", key);
     int64_t current = 0;
     if (auto v = read("store.add", key)) {
       const char* end = v->data() + v->size();
@@ -130,7 +138,7 @@ class FileStore : public Store {
   }
 
   std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
-    Lock lock(*this, "store.compare_set");
+    Lock lock(*this, "store.compare_set", key);
     const std::string current = read("store.compare_set", key).value_or("");
     if (current != expected) return current;
     write_atomic("store.compare_set", key, desired);
@@ -154,11 +162,21 @@ class FileStore : public Store {
   }
 
  private:
-  // The process-wide mutex, then flock(LOCK_EX) on "<dir>/.lock", both with a timeout.
+  // The key's mutex in this process, then flock(LOCK_EX) on "<dir>/.lock.<file name of key>",
+  // both with a timeout.
   class Lock {
    public:
-    Lock(const FileStore& store, const char* op) : thread_lock_(*store.process_lock_, std::defer_lock) {
-      const std::string path = store.dir_ + "/.lock";
+    Lock(const FileStore& store, const char* op, const std::string& key)
+        : Lock(store, op, LockFile{".lock." + file_name(key)}) {}
+
+   private:
+    struct LockFile {
+      std::string name;
+    };
+    Lock(const FileStore& store, const char* op, const LockFile& file)
+        : process_lock_(process_lock_for(store.canonical_dir_ + "/" + file.name)),
+          thread_lock_(*process_lock_, std::defer_lock) {
+      const std::string path = store.dir_ + "/" + file.name;
       const Deadline deadline = deadline_after(kLockTimeout);
       if (!thread_lock_.try_lock_until(deadline)) {
         store.fail(op,
@@ -185,7 +203,7 @@ class FileStore : public Store {
     }
     // Closing the descriptor releases the flock (members are destroyed in reverse order).
 
-   private:
+    std::shared_ptr<std::timed_mutex> process_lock_;
     std::unique_lock<std::timed_mutex> thread_lock_;
     net::Fd fd_;
   };
@@ -273,7 +291,7 @@ class FileStore : public Store {
   }
 
   std::string dir_;
-  std::shared_ptr<std::timed_mutex> process_lock_;
+  std::string canonical_dir_;
 };
 
 }  // namespace
