@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -197,6 +199,69 @@ TEST(Group, LargeAllReduceThroughStreamingCopiesIsExact) {
       const int tri = p * (p + 1) / 2;
       for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], static_cast<float>(tri * static_cast<int>(i % 9))) << i;
     });
+  }
+}
+
+// The direct all_reduce writes large chunks into its staging slot with plain or streaming
+// stores (DTRAIN_SHM_STREAM_STAGE=0|1, or chosen per call by timing: auto). Only the speed may
+// differ: every mode gives the same bits, in place and out of place, from buffers that start
+// at different offsets (copy.h's own loop takes the ones near a page alias), one chunk or
+// several, 2 and 3 ranks.
+TEST(Group, EveryStagingWriteModeGivesTheSameBits) {
+  const size_t n = (size_t{3} << 20) / sizeof(float) + 5;  // three staging chunks and a bit
+  std::vector<std::vector<std::vector<float>>> results;       // [mode][case], rank 0's output
+  for (const char* mode : {"0", "1", "auto"}) {
+    ::setenv("DTRAIN_SHM_STREAM_STAGE", mode, 1);
+    for (int p : {2, 3}) {
+      std::vector<std::vector<float>> got;
+      run_ranks(p, [&](Group& g) {
+        for (const size_t len : {size_t{5000}, n}) {
+          for (const size_t shift : {size_t{0}, size_t{1}, size_t{4}}) {
+            for (const bool in_place : {false, true}) {
+              std::vector<float> x(len + shift), out(len + shift, -1.0f);
+              for (size_t i = 0; i < len; ++i) x[i + shift] = 1.0f / static_cast<float>(1 + (i * 7 + g.rank() * 13) % 101);
+              float* dst = in_place ? x.data() + shift : out.data() + shift;
+              g.all_reduce(x.data() + shift, dst, len, DataType::f32, ReduceOp::sum);
+              if (g.rank() == 0) got.emplace_back(dst, dst + len);
+            }
+          }
+        }
+      }, test_util::quick_options());
+      results.push_back(std::move(got));
+    }
+  }
+  ::unsetenv("DTRAIN_SHM_STREAM_STAGE");
+  ASSERT_EQ(results.size(), 6u);
+  for (size_t m = 2; m < results.size(); ++m) {
+    ASSERT_EQ(results[m].size(), results[m % 2].size());
+    for (size_t c = 0; c < results[m].size(); ++c) {
+      ASSERT_EQ(0, std::memcmp(results[m][c].data(), results[m % 2][c].data(), results[m][c].size() * sizeof(float)))
+          << "mode #" << m / 2 << ", " << (m % 2 ? 3 : 2) << " ranks, case " << c;
+    }
+  }
+  // And the sums are right: 1/k summed in rank order is not exact, so compare with the
+  // single-process sum in the same order.
+  for (size_t c = 0; c < results[0].size(); ++c) {
+    const size_t len = results[0][c].size();
+    for (size_t i = 0; i < len; i += 97) {
+      const float want = 1.0f / static_cast<float>(1 + (i * 7) % 101) + 1.0f / static_cast<float>(1 + (i * 7 + 13) % 101);
+      ASSERT_EQ(results[0][c][i], want) << "case " << c << " element " << i;
+    }
+  }
+}
+
+// A mistyped mode is refused when the group is made, naming the variable.
+TEST(Group, AMistypedStagingWriteModeIsNamed) {
+  ::setenv("DTRAIN_SHM_STREAM_STAGE", "yes", 1);
+  GroupOptions o = test_util::quick_options();
+  o.timeout = std::chrono::seconds(10);
+  try {
+    run_ranks(2, [](Group&) {}, o);
+    ::unsetenv("DTRAIN_SHM_STREAM_STAGE");
+    FAIL() << "DTRAIN_SHM_STREAM_STAGE=yes was accepted";
+  } catch (const std::exception& e) {
+    ::unsetenv("DTRAIN_SHM_STREAM_STAGE");
+    EXPECT_NE(std::string(e.what()).find("DTRAIN_SHM_STREAM_STAGE='yes'"), std::string::npos) << e.what();
   }
 }
 

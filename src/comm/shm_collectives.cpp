@@ -22,6 +22,21 @@
 // that each rank publishes and compares after the first sync: a rank that called something
 // else is reported instead of silently mixing buffers.
 //
+// Staging writes: a large chunk's copy-in and publish write lines of this rank's slot that the
+// peers read in the previous chunk, so each written line first has to be taken back from the
+// readers' caches. When the readers' cores share a cache with ours this is cheap; when they
+// are far (another core complex or socket, or a VM whose host moved the vCPUs apart) it costs
+// a slow cross-core invalidation per line and large all_reduces lose 2-4x (measured on a
+// 2-vCPU EPYC VM: busbw 9 against 2.3 GB/s at 4 MiB). Streaming stores skip that: the data
+// goes to memory and the readers fetch it from there, placement-independent but slower than
+// a near peer's cache (4-5 GB/s there). So each rank times the first kProbeBlocks publish
+// blocks of every large all_reduce with plain stores (blocks of at least kMinProbeBytes,
+// collected over several calls when a call has fewer), and stages with streaming stores while
+// the best of them runs below 1/kFarFactor of a plain copy between two private cached buffers
+// (timed once at start-up): about 20 GB/s near and 3-5 GB/s far, against 35 GB/s locally.
+// The choice only changes how this rank writes its own slot, so ranks need not agree on it.
+// DTRAIN_SHM_STREAM_STAGE=0|1 turns it off or on for good.
+//
 // Waiting spins (pause, then sched_yield so that more ranks than cores progress), then sleeps
 // on the rank's futex word; arrive() wakes the peers that announced a sleep (the same Dekker
 // handshake as the rings: see shm_transport.cpp).
@@ -44,6 +59,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "copy.h"
 #include "dtrain/comm/reduce.h"
 
 namespace dtrain::comm::shm {
@@ -65,6 +81,11 @@ constexpr auto kOversubscribedSpin = std::chrono::milliseconds(2);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 // all_reduce's large path reduces its slice and publishes it in blocks of this size.
 constexpr size_t kPublishBlockBytes = size_t{32} << 10;
+// Staging writes (see above): blocks timed per call, the smallest block worth timing, and how
+// many times slower than a private copy a staging write is when the readers are far.
+constexpr int kProbeBlocks = 2;
+constexpr size_t kMinProbeBytes = size_t{16} << 10;
+constexpr double kFarFactor = 4.0;
 
 // dst = part(0) op part(1) op ... op part(p - 1), in rank order, so every caller (and one
 // process accumulating the same vectors in order) gets the same bits; then averaged for avg.
@@ -72,7 +93,7 @@ constexpr size_t kPublishBlockBytes = size_t{32} << 10;
 template <typename Part>
 void reduce_in_rank_order(char* dst, int p, Part part, size_t n, DataType dtype, ReduceOp op) {
   if (p == 1) {
-    if (dst != part(0)) std::memcpy(dst, part(0), n * size_of(dtype));
+    if (dst != part(0)) copy_bytes(dst, part(0), n * size_of(dtype));
   } else {
     reduce_pair(dst, part(0), part(1), n, dtype, op);
     for (int q = 2; q < p; ++q) reduce_into(dst, part(q), n, dtype, op);
@@ -108,29 +129,29 @@ std::pair<size_t, size_t> slice(size_t m, int r, int p, size_t esize) {
   return {cut(r), cut(r + 1)};
 }
 
-// Copy for results that will not be read again soon: streaming (non-temporal) stores skip the
-// read-for-ownership of the destination and do not evict the staging slots from the cache.
-void copy_streaming(char* dst, const char* src, size_t bytes) {
-#if defined(__AVX2__)
-  const size_t head = std::min(bytes, static_cast<size_t>(-reinterpret_cast<uintptr_t>(dst) & 31));
-  std::memcpy(dst, src, head);
-  dst += head, src += head, bytes -= head;
-  size_t i = 0;
-  for (; i + 128 <= bytes; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+Collectives::StageWrites stage_writes_from_env() {
+  const char* v = std::getenv("DTRAIN_SHM_STREAM_STAGE");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Collectives::StageWrites::automatic;
+  if (std::strcmp(v, "0") == 0) return Collectives::StageWrites::cached;
+  if (std::strcmp(v, "1") == 0) return Collectives::StageWrites::streaming;
+  DT_THROW("comm", "DTRAIN_SHM_STREAM_STAGE='{}' must be auto, 0 (plain stores) or 1 (streaming stores)", v);
+}
+
+// Nanoseconds per byte of the fastest of several plain copies of one publish block between two
+// private buffers that stay in this core's cache (1 KiB apart modulo 4 KiB, clear of copy.h's
+// slow window).
+double local_copy_ns_per_byte() {
+  std::vector<char> buffer(2 * kPublishBlockBytes + 8192, 1);
+  char* a = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) & 4095);
+  char* b = a + kPublishBlockBytes + 1024;
+  double best = std::numeric_limits<double>::max();
+  for (int i = 0; i < 16; ++i) {
+    const auto t0 = Clock::now();
+    copy_bytes(b, a, kPublishBlockBytes);
+    asm volatile("" : : "r"(b) : "memory");
+    best = std::min(best, std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
   }
-  std::memcpy(dst + i, src + i, bytes - i);
-  _mm_sfence();
-#else
-  std::memcpy(dst, src, bytes);
-#endif
+  return best / static_cast<double>(kPublishBlockBytes);
 }
 
 }  // namespace
@@ -147,6 +168,25 @@ Collectives::Collectives(const Segment& segment, int rank, int size, std::functi
   // A launcher that bound this rank to a slice of the CPUs says how many the job has.
   if (const char* all = std::getenv("DTRAIN_JOB_CPUS"); all != nullptr && std::atoi(all) > 0) cores = std::atoi(all);
   oversubscribed_ = size_ > cores;
+  stage_writes_ = stage_writes_from_env();
+  streaming_ = stage_writes_ == StageWrites::streaming;
+  if (stage_writes_ == StageWrites::automatic && size_ > 1) local_ns_per_byte_ = local_copy_ns_per_byte();
+}
+
+void Collectives::stage_write(char* dst, const char* src, size_t bytes) const {
+  if (streaming_) {
+    copy_streaming(dst, src, bytes);
+  } else {
+    copy_bytes(dst, src, bytes);
+  }
+}
+
+void Collectives::probe_stage_write(char* dst, const char* src, size_t bytes) {
+  const auto t0 = Clock::now();
+  copy_bytes(dst, src, bytes);
+  const double ns = std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
+  probe_best_ = std::min(probe_best_, ns / static_cast<double>(bytes));
+  if (--probes_left_ == 0) streaming_ = probe_best_ > kFarFactor * local_ns_per_byte_;
 }
 
 void Collectives::begin(const Call& call) {
@@ -302,11 +342,13 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     // the sum runs: safe for ranks 0 and 1 (the first pair is read before anything is
     // written), so ranks from 2 up stage their slice too.
     const bool own_from_input = !small && (in != out || rank_ <= 1);
-    if (own_from_input) {
-      std::memcpy(stage(rank_), in + off * esize, lo * esize);
-      std::memcpy(stage(rank_) + hi * esize, in + (off + hi) * esize, (m - hi) * esize);
+    if (small) {
+      copy_bytes(stage(rank_), in + off * esize, bytes);
+    } else if (own_from_input) {
+      stage_write(stage(rank_), in + off * esize, lo * esize);
+      stage_write(stage(rank_) + hi * esize, in + (off + hi) * esize, (m - hi) * esize);
     } else {
-      std::memcpy(stage(rank_), in + off * esize, bytes);
+      stage_write(stage(rank_), in + off * esize, bytes);
     }
     sync(deadline);
     if (small) {
@@ -318,6 +360,10 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     // as one process accumulating micro-batches), into the output, then published in our slot.
     // In cache-sized blocks, so that the copy into our slot reads the result from the cache.
     const size_t block = kPublishBlockBytes / esize;
+    if (off == 0 && stage_writes_ == StageWrites::automatic && probes_left_ == 0) {
+      probes_left_ = kProbeBlocks;
+      probe_best_ = std::numeric_limits<double>::max();
+    }
     for (size_t b = lo; b < hi; b += block) {
       const size_t e = std::min(hi, b + block);
       char* acc = out + (off + b) * esize;
@@ -325,7 +371,11 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
         return q == rank_ && own_from_input ? in + (off + b) * esize : stage(q) + b * esize;
       };
       reduce_in_rank_order(acc, size_, part, e - b, dtype, op);
-      std::memcpy(stage(rank_) + b * esize, acc, (e - b) * esize);
+      if (probes_left_ > 0 && (e - b) * esize >= kMinProbeBytes) {
+        probe_stage_write(stage(rank_) + b * esize, acc, (e - b) * esize);
+      } else {
+        stage_write(stage(rank_) + b * esize, acc, (e - b) * esize);
+      }
     }
     sync(deadline);
     for (int k = 1; k < size_; ++k) {  // our own slice is in the output already
@@ -337,7 +387,7 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
       if (count * esize >= (oversubscribed_ ? kStreamingBytesOversubscribed : kStreamingBytes)) {
         copy_streaming(dst, src, (qhi - qlo) * esize);
       } else {
-        std::memcpy(dst, src, (qhi - qlo) * esize);
+        copy_bytes(dst, src, (qhi - qlo) * esize);
       }
     }
   }
@@ -351,9 +401,9 @@ void Collectives::broadcast(void* buffer, size_t count, DataType dtype, int root
   if (count == 0) sync(deadline);
   for (size_t off = 0; off < count; off += chunk_elems, ++chunk_) {
     const size_t bytes = std::min(chunk_elems, count - off) * esize;
-    if (rank_ == root) std::memcpy(stage(root), buf + off * esize, bytes);
+    if (rank_ == root) copy_bytes(stage(root), buf + off * esize, bytes);
     sync(deadline);
-    if (rank_ != root) std::memcpy(buf + off * esize, stage(root), bytes);
+    if (rank_ != root) copy_bytes(buf + off * esize, stage(root), bytes);
   }
 }
 
@@ -366,12 +416,12 @@ void Collectives::all_gather(const void* input, void* output, size_t count, Data
   if (count == 0) sync(deadline);
   for (size_t off = 0; off < count; off += chunk_elems, ++chunk_) {
     const size_t bytes = std::min(chunk_elems, count - off) * esize;
-    std::memcpy(stage(rank_), in + off * esize, bytes);
+    copy_bytes(stage(rank_), in + off * esize, bytes);
     sync(deadline);
     for (int k = 0; k < size_; ++k) {
       const int q = (rank_ + k) % size_;
       char* dst = out + (static_cast<size_t>(q) * count + off) * esize;
-      if (!(q == rank_ && dst == in + off * esize)) std::memcpy(dst, stage(q), bytes);
+      if (!(q == rank_ && dst == in + off * esize)) copy_bytes(dst, stage(q), bytes);
     }
   }
 }
@@ -389,7 +439,7 @@ void Collectives::reduce_scatter(const void* input, void* output, size_t count, 
     const size_t m = std::min(chunk_elems, count - off);
     char* mine = stage(rank_);
     for (int q = 0; q < size_; ++q) {
-      std::memcpy(mine + static_cast<size_t>(q) * m * esize, in + (static_cast<size_t>(q) * count + off) * esize,
+      copy_bytes(mine + static_cast<size_t>(q) * m * esize, in + (static_cast<size_t>(q) * count + off) * esize,
                   m * esize);
     }
     sync(deadline);

@@ -25,6 +25,11 @@ class Collectives final : public DirectCollectives {
   void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
                              ReduceOp op, Deadline deadline) override;
 
+  /// How this rank writes its staging slot for large chunks (see "Staging writes" in the .cpp).
+  enum class StageWrites { automatic, cached, streaming };
+  /// Whether the last large chunks were staged with streaming stores.
+  bool streaming_stage() const { return streaming_; }
+
  private:
   enum class Kind : uint64_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier, reduce_scatter_mapped };
   struct Call {
@@ -46,6 +51,11 @@ class Collectives final : public DirectCollectives {
   void check_calls() const;
   [[noreturn]] void throw_stalled(uint64_t target, Clock::duration waited, bool timed_out) const;
   char* stage(int r) const { return seg_.stage(r, static_cast<int>(chunk_ & 1)); }
+  // Copies a large chunk's data into this rank's staging slot, the way streaming_ says.
+  void stage_write(char* dst, const char* src, size_t bytes) const;
+  // Copies a publish block with plain stores and times it; the first kProbeBlocks of a call
+  // decide streaming_ for the rest of it and for the next calls.
+  void probe_stage_write(char* dst, const char* src, size_t bytes);
 
   const Segment& seg_;
   const int rank_;
@@ -56,6 +66,11 @@ class Collectives final : public DirectCollectives {
   uint64_t chunk_ = 0;   // chunks moved; the parity selects the staging slot
   bool checked_ = true;  // whether the current call's records were compared
   bool oversubscribed_ = false;  // more ranks than cores this process may run on
+  StageWrites stage_writes_ = StageWrites::automatic;
+  bool streaming_ = false;       // stage large chunks with streaming stores
+  double local_ns_per_byte_ = 0;  // a plain copy between two private cached buffers
+  int probes_left_ = 0;           // publish blocks of this call still to time
+  double probe_best_ = 0;         // the fastest of them, ns per byte
   Call call_{};
 };
 

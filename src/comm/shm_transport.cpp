@@ -40,6 +40,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "copy.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
 #include "shm_collectives.h"
@@ -305,15 +306,15 @@ class ShmTransport final : public Transport {
   void copy_to_ring(char* ring, uint64_t pos, const char* src, size_t n) const {
     const size_t off = static_cast<size_t>(pos) & mask_;
     const size_t first = std::min(n, cap_ - off);
-    std::memcpy(ring + off, src, first);
-    if (n > first) std::memcpy(ring, src + first, n - first);
+    copy_bytes(ring + off, src, first);
+    if (n > first) copy_bytes(ring, src + first, n - first);
   }
 
   void copy_from_ring(char* dst, const char* ring, uint64_t pos, size_t n) const {
     const size_t off = static_cast<size_t>(pos) & mask_;
     const size_t first = std::min(n, cap_ - off);
-    std::memcpy(dst, ring + off, first);
-    if (n > first) std::memcpy(dst + first, ring, n - first);
+    copy_bytes(dst, ring + off, first);
+    if (n > first) copy_bytes(dst + first, ring, n - first);
   }
 
   // Moves at most one piece of `r` into the ring; true if the head moved.
