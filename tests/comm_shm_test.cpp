@@ -30,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include "../src/comm/copy.h"
+#include "dtrain/comm/copy.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
 

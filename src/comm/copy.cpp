@@ -1,5 +1,5 @@
 // Bulk copies (see copy.h).
-#include "copy.h"
+#include "dtrain/comm/copy.h"
 
 #include <algorithm>
 #include <cstring>

@@ -59,7 +59,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "copy.h"
+#include "dtrain/comm/copy.h"
 #include "dtrain/comm/reduce.h"
 
 namespace dtrain::comm::shm {

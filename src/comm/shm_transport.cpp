@@ -40,7 +40,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "copy.h"
+#include "dtrain/comm/copy.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
 #include "shm_collectives.h"

@@ -13,6 +13,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/core/log.h"
 #include "dtrain/comm/compress.h"
+#include "dtrain/comm/copy.h"
 #include "dtrain/tensor/autograd.h"
 #include "powersgd.h"
 
@@ -159,7 +160,7 @@ struct DataParallel::Impl {
     DT_CHECK(g.defined() && g.is_contiguous() && g.dtype() == DType::f32, "ddp",
              "parameter '{}': gradient hook fired without a contiguous f32 gradient", params[index].first);
     float* dst = grad_data(b) + offset;
-    if (g.data() != dst) std::memcpy(dst, g.data(), static_cast<size_t>(g.numel()) * sizeof(float));
+    if (g.data() != dst) comm::copy_bytes(dst, g.data(), static_cast<size_t>(g.numel()) * sizeof(float));
     ready[index] = true;
     ++ready_count;
     if (--b.pending == 0 && options.overlap && !powersgd) launch_in_order();

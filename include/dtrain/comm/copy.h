@@ -1,4 +1,4 @@
-// Bulk copies for the shared-memory paths (internal to src/comm).
+// Bulk copies for the shared-memory paths and the data-parallel buckets.
 //
 // copy_bytes is memcpy except for one case measured on AMD EPYC (Zen, FSRM) with glibc 2.36:
 // glibc copies 4-256 KiB with `rep movsb`, and that runs 10-20x slower (about 2 against
