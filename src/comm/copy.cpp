@@ -1,4 +1,4 @@
-// Bulk copies (see copy.h).
+// Bulk copies (see dtrain/comm/copy.h).
 #include "dtrain/comm/copy.h"
 
 #include <algorithm>
@@ -11,8 +11,39 @@
 namespace dtrain::comm {
 
 namespace {
+
 // glibc uses rep movsb from a few KiB up; below this a copy is a handful of vector moves.
 constexpr size_t kAliasMinBytes = 2048;
+
+#if defined(__AVX2__)
+template <bool kStreaming>
+inline void store32(char* to, __m256i v) {
+  if constexpr (kStreaming) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to), v);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), v);
+  }
+}
+
+// Copies the whole 128-byte blocks of [src, src + bytes) with plain or streaming stores and
+// returns how many bytes it copied.
+template <bool kStreaming>
+size_t copy_blocks(char* dst, const char* src, size_t bytes) {
+  size_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    store32<kStreaming>(dst + i, a);
+    store32<kStreaming>(dst + i + 32, b);
+    store32<kStreaming>(dst + i + 64, c);
+    store32<kStreaming>(dst + i + 96, d);
+  }
+  return i;
+}
+#endif
+
 }  // namespace
 
 void copy_bytes(void* dst, const void* src, size_t bytes) {
@@ -20,18 +51,8 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
   if (bytes >= kAliasMinBytes && near_page_alias(dst, src)) {
     auto* d = static_cast<char*>(dst);
     const auto* s = static_cast<const char*>(src);
-    size_t i = 0;
-    for (; i + 128 <= bytes; i += 128) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 64));
-      const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 96));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), a);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
-    }
-    std::memcpy(d + i, s + i, bytes - i);  // under 128 bytes: vector moves, no rep movsb
+    const size_t done = copy_blocks<false>(d, s, bytes);
+    std::memcpy(d + done, s + done, bytes - done);  // under 128 bytes: vector moves, no rep movsb
     return;
   }
 #endif
@@ -43,20 +64,10 @@ void copy_streaming(void* dst_, const void* src_, size_t bytes) {
   auto* dst = static_cast<char*>(dst_);
   const auto* src = static_cast<const char*>(src_);
   const size_t head = std::min(bytes, static_cast<size_t>(-reinterpret_cast<uintptr_t>(dst) & 31));
-  std::memcpy(dst, src, head);
+  std::memcpy(dst, src, head);  // then dst is 32-byte aligned, as streaming stores need
   dst += head, src += head, bytes -= head;
-  size_t i = 0;
-  for (; i + 128 <= bytes; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
-  }
-  copy_bytes(dst + i, src + i, bytes - i);
+  const size_t done = copy_blocks<true>(dst, src, bytes);
+  std::memcpy(dst + done, src + done, bytes - done);
   _mm_sfence();
 #else
   std::memcpy(dst_, src_, bytes);
