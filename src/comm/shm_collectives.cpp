@@ -33,7 +33,7 @@
 // blocks of every large all_reduce with plain stores (blocks of at least kMinProbeBytes,
 // collected over several calls when a call has fewer), and stages with streaming stores while
 // the best of them runs below 1/kFarFactor of a plain copy between two private cached buffers
-// (timed once at start-up): about 20 GB/s near and 3-5 GB/s far, against 35 GB/s locally.
+// (timed once, before the first probe): about 20 GB/s near and 3-5 GB/s far, against 35 GB/s locally.
 // The choice only changes how this rank writes its own slot, so ranks need not agree on it.
 // DTRAIN_SHM_STREAM_STAGE=0|1 turns it off or on for good.
 //
@@ -51,10 +51,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -170,7 +166,6 @@ Collectives::Collectives(const Segment& segment, int rank, int size, std::functi
   oversubscribed_ = size_ > cores;
   stage_writes_ = stage_writes_from_env();
   streaming_ = stage_writes_ == StageWrites::streaming;
-  if (stage_writes_ == StageWrites::automatic && size_ > 1) local_ns_per_byte_ = local_copy_ns_per_byte();
 }
 
 void Collectives::stage_write(char* dst, const char* src, size_t bytes) const {
@@ -361,6 +356,7 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     // In cache-sized blocks, so that the copy into our slot reads the result from the cache.
     const size_t block = kPublishBlockBytes / esize;
     if (off == 0 && stage_writes_ == StageWrites::automatic && probes_left_ == 0) {
+      if (local_ns_per_byte_ == 0) local_ns_per_byte_ = local_copy_ns_per_byte();
       probes_left_ = kProbeBlocks;
       probe_best_ = std::numeric_limits<double>::max();
     }

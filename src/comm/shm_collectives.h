@@ -27,8 +27,6 @@ class Collectives final : public DirectCollectives {
 
   /// How this rank writes its staging slot for large chunks (see "Staging writes" in the .cpp).
   enum class StageWrites { automatic, cached, streaming };
-  /// Whether the last large chunks were staged with streaming stores.
-  bool streaming_stage() const { return streaming_; }
 
  private:
   enum class Kind : uint64_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier, reduce_scatter_mapped };
@@ -68,7 +66,7 @@ class Collectives final : public DirectCollectives {
   bool oversubscribed_ = false;  // more ranks than cores this process may run on
   StageWrites stage_writes_ = StageWrites::automatic;
   bool streaming_ = false;       // stage large chunks with streaming stores
-  double local_ns_per_byte_ = 0;  // a plain copy between two private cached buffers
+  double local_ns_per_byte_ = 0;  // a plain copy between two private cached buffers; 0: not yet timed
   int probes_left_ = 0;           // publish blocks of this call still to time
   double probe_best_ = 0;         // the fastest of them, ns per byte
   Call call_{};
