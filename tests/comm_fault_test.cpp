@@ -14,8 +14,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -94,10 +96,13 @@ int wait_exit(pid_t pid) {
   return status;
 }
 
-class KillDuringAllReduce : public ::testing::TestWithParam<int> {};
+// (ranks, floats per all_reduce): 4 MiB takes several staging chunks per call; 8 floats go in
+// one flagged line.
+class KillDuringAllReduce : public ::testing::TestWithParam<std::tuple<int, size_t>> {};
 
 TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
-  const int size = GetParam();
+  const int size = std::get<0>(GetParam());
+  const size_t count = std::get<1>(GetParam());
   const int victim = size / 2;
   const Duration timeout = 20s;  // detection must come from the liveness check, far sooner
   Job job;
@@ -106,7 +111,7 @@ TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
   std::vector<pid_t> pids;
   for (int r = 0; r < size; ++r) {
     pids.push_back(spawn_rank(job, r, size, timeout, [&](Group& g) {
-      std::vector<float> x(size_t{1} << 20, 1.0f);  // 4 MiB: several staging chunks per call
+      std::vector<float> x(count, 1.0f);
       if (g.rank() == victim) {
         g.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
         const char one = 1;
@@ -142,7 +147,8 @@ TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
   EXPECT_TRUE(shm_entries(job.name).empty()) << "segments left in /dev/shm";
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, KillDuringAllReduce, ::testing::Values(2, 4));
+INSTANTIATE_TEST_SUITE_P(Ranks, KillDuringAllReduce,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(size_t{1} << 20, size_t{8})));
 
 TEST(CollectiveMismatch, RanksCallingDifferentCollectivesAreNamed) {
   Job job;
@@ -166,6 +172,56 @@ TEST(CollectiveMismatch, RanksCallingDifferentCollectivesAreNamed) {
   EXPECT_NE(r1.find("rank 0 called all_reduce(f32, 4096, sum) but rank 1 called broadcast(f32, 100, root 0)"),
             std::string::npos)
       << r1;
+}
+
+// The smallest all_reduces travel in flagged cache lines instead of the staging slots (see
+// shm_collectives.cpp); a rank that called something else is named there too: another
+// collective, another count (fewer lines than the peer waits for), or the same lines of another op.
+TEST(CollectiveMismatch, RanksCallingDifferentSmallCollectivesAreNamed) {
+  struct Case {
+    std::function<void(Group&)> rank1;
+    std::string rank1_called;
+  };
+  const std::vector<Case> cases = {
+      {[](Group& g) {
+         std::vector<float> x(100, 1.0f);
+         g.broadcast(x.data(), 100, DataType::f32, 0);
+       },
+       "broadcast(f32, 100, root 0)"},
+      {[](Group& g) {
+         std::vector<float> x(40, 1.0f);
+         g.all_reduce(x.data(), x.data(), 40, DataType::f32, ReduceOp::sum);
+       },
+       "all_reduce(f32, 40, sum)"},
+      {[](Group& g) {
+         std::vector<float> x(8, 1.0f);
+         g.all_reduce(x.data(), x.data(), 8, DataType::f32, ReduceOp::max);
+       },
+       "all_reduce(f32, 8, max)"},
+  };
+  for (const Case& c : cases) {
+    Job job;
+    std::vector<pid_t> pids;
+    for (int r = 0; r < 2; ++r) {
+      pids.push_back(spawn_rank(job, r, 2, 20s, [&](Group& g) {
+        if (g.rank() == 0) {
+          std::vector<float> x(8, 1.0f);
+          g.all_reduce(x.data(), x.data(), 8, DataType::f32, ReduceOp::sum);
+        } else {
+          c.rank1(g);
+        }
+      }));
+    }
+    for (pid_t p : pids) wait_exit(p);
+    const std::string r0 = read_file(job.dir / "result0");
+    const std::string r1 = read_file(job.dir / "result1");
+    EXPECT_NE(r0.find(fmt::format("rank 1 called {} but rank 0 called all_reduce(f32, 8, sum)", c.rank1_called)),
+              std::string::npos)
+        << r0;
+    EXPECT_NE(r1.find(fmt::format("rank 0 called all_reduce(f32, 8, sum) but rank 1 called {}", c.rank1_called)),
+              std::string::npos)
+        << r1;
+  }
 }
 
 // A rank that stops (SIGSTOP: a hung process, no crash for anyone to see) while its peers are

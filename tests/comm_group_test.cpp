@@ -250,6 +250,39 @@ TEST(Group, EveryStagingWriteModeGivesTheSameBits) {
   }
 }
 
+// all_reduces of up to 192 bytes travel in cache lines that carry their own flag (48 bytes of
+// data each; shm_collectives.cpp). Every count across that limit, in and out of place, on 2, 3
+// and 5 ranks, twice in a row (both parities of the lines): each rank gets the single-process
+// sum in rank order, bit for bit, and max.
+TEST(Group, SmallAllReducesInLinesEqualTheOneProcessSum) {
+  for (int p : {2, 3, 5}) {
+    std::atomic<int> bad{0};
+    run_ranks(p, [&](Group& g) {
+      auto value = [](size_t i, int r) { return 1.0f / static_cast<float>(1 + (i * 7 + static_cast<size_t>(r) * 13) % 101); };
+      for (size_t len = 1; len <= 52; ++len) {
+        for (const bool in_place : {false, true}) {
+          for (int round = 0; round < 2; ++round) {
+            for (const ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
+              std::vector<float> x(len), out(len, -1.0f);
+              for (size_t i = 0; i < len; ++i) x[i] = value(i + round, g.rank());
+              float* dst = in_place ? x.data() : out.data();
+              g.all_reduce(x.data(), dst, len, DataType::f32, op);
+              for (size_t i = 0; i < len; ++i) {
+                float want = value(i + round, 0);
+                for (int r = 1; r < p; ++r) want = op == ReduceOp::sum ? want + value(i + round, r) : std::max(want, value(i + round, r));
+                if (std::memcmp(&dst[i], &want, sizeof(float)) != 0) {
+                  if (bad++ < 5) ADD_FAILURE() << p << " ranks, rank " << g.rank() << ", " << len << " floats, element " << i;
+                }
+              }
+            }
+          }
+        }
+      }
+    }, test_util::quick_options());
+    EXPECT_EQ(bad.load(), 0) << p << " ranks";
+  }
+}
+
 // A mistyped mode is refused when the group is made, naming the variable.
 TEST(Group, AMistypedStagingWriteModeIsNamed) {
   ::setenv("DTRAIN_SHM_STREAM_STAGE", "yes", 1);

@@ -43,6 +43,12 @@ class Collectives final : public DirectCollectives {
   void arrive();
   // Waits until every rank ended this rank's current phase; throws on abort, death, deadline.
   void wait_all(Deadline deadline);
+  // The waiting loop of wait_all (spin, yield, sleep; abort, liveness, deadline) until
+  // `ready(cursor)` holds; `cursor` counts the ranks known to have ended phase `target`.
+  template <typename Ready>
+  void wait_until(uint64_t target, Deadline deadline, Ready&& ready);
+  // all_reduce of at most kLinesPerCall lines: data and flag travel in the same cache lines.
+  void all_reduce_lines(const char* in, char* out, size_t count, DataType dtype, ReduceOp op, Deadline deadline);
   // arrive() + wait_all(); the first one of a call also compares the call records.
   void sync(Deadline deadline);
   bool all_arrived(uint64_t target, int& cursor) const;
@@ -62,6 +68,7 @@ class Collectives final : public DirectCollectives {
   uint64_t phase_ = 0;   // phases this rank ended (mirrors its RankSlot::arrived)
   uint64_t calls_ = 0;   // calls made; the parity selects the call record
   uint64_t chunk_ = 0;   // chunks moved; the parity selects the staging slot
+  uint64_t line_calls_ = 0;  // all_reduces in lines; the parity selects RankSlot::lines
   bool checked_ = true;  // whether the current call's records were compared
   bool oversubscribed_ = false;  // more ranks than cores this process may run on
   StageWrites stage_writes_ = StageWrites::automatic;

@@ -33,7 +33,7 @@
 namespace dtrain::comm::shm {
 
 constexpr uint64_t kMagic = 0x315f4d48535f5444ull;  // "DT_SHM_1"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kLine = 128;
 constexpr size_t kDefaultRingBytes = size_t{1} << 20;
 constexpr size_t kMinRingBytes = 4096;
@@ -57,6 +57,18 @@ struct alignas(kLine) SegmentHeader {
   char abort_reason[kAbortReasonBytes];
 };
 
+// One line of a small all_reduce that carries its own flag (see "Small all_reduce in lines" in
+// shm_collectives.cpp): kLinePayload bytes of data, the call's signature, and the phase it
+// belongs to, stored last.
+constexpr size_t kLinePayload = 48;
+constexpr int kLinesPerCall = 4;
+struct alignas(64) DataLine {
+  char data[kLinePayload];
+  std::atomic<uint64_t> call;
+  std::atomic<uint64_t> phase;
+};
+static_assert(sizeof(DataLine) == 64, "a data line is one cache line");
+
 struct RankSlot {
   // Written by the rank itself when it joins / leaves; read by peers' liveness checks.
   alignas(kLine) std::atomic<int32_t> pid;
@@ -70,6 +82,8 @@ struct RankSlot {
   // shm_collectives.cpp); 56 bytes, so a peer's wait and check touch one cache line.
   alignas(kLine) std::atomic<uint64_t> arrived;
   uint64_t call[2][3];
+  // Small all_reduces, by parity of the rank's count of them.
+  alignas(kLine) DataLine lines[2][kLinesPerCall];
 };
 
 struct RingCtl {
