@@ -57,6 +57,7 @@ class FlightRecorder {
   std::vector<FlightEntry> ring_;
   std::vector<uint64_t> ids_ = std::vector<uint64_t>(ring_.size(), UINT64_MAX);
   uint64_t next_ = 0;
+  size_t next_slot_ = 0;  // next_ % ring_.size()
 };
 
 /// Watches rank (rank + 1) % size through `store` (keys under `prefix`) and calls
