@@ -371,6 +371,11 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     if (small) {
       // Every rank reduces everything: one phase, identical bits everywhere.
       reduce_in_rank_order(out + off * esize, size_, [&](int q) { return stage(q); }, m, dtype, op);
+      // Take the lines of the slot that the next chunk writes back from the peers now, while
+      // nobody waits for them (see "Staging writes"; the peers finished reading that slot
+      // before they arrived here): its copy-in then writes lines this core owns.
+      const char* next = seg_.stage(rank_, static_cast<int>((chunk_ + 1) & 1));
+      for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 1, 3);
       continue;
     }
     // Slice `rank_` of every slot, reduced in rank order (the same order as the small path and
