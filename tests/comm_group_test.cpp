@@ -1,6 +1,7 @@
 // Group: collectives through the real shared-memory transport, ranks as threads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -277,6 +278,47 @@ TEST(Group, SmallAllReducesInLinesEqualTheOneProcessSum) {
             }
           }
         }
+      }
+    }, test_util::quick_options());
+    EXPECT_EQ(bad.load(), 0) << p << " ranks";
+  }
+}
+
+// Calls in lines, staged calls and barriers in one sequence, three times over (the lines'
+// parity follows only the calls in lines, the call records' parity every call): u8 and f64 with
+// partial and full last lines, on 3 and 8 ranks; integer values, so every result is exact.
+TEST(Group, CallsInLinesInterleaveWithStagedCalls) {
+  for (int p : {3, 8}) {
+    std::atomic<int> bad{0};
+    run_ranks(p, [&](Group& g) {
+      const int r = g.rank();
+      auto value = [](size_t i, int q) { return static_cast<int>((i + 3 * static_cast<size_t>(q)) % 5); };
+      auto expect = [&](size_t i, ReduceOp op) {
+        int want = value(i, 0);
+        for (int q = 1; q < p; ++q) want = op == ReduceOp::sum ? want + value(i, q) : std::max(want, value(i, q));
+        return want;
+      };
+      for (int round = 0; round < 3; ++round) {
+        for (const size_t n : {size_t{49}, size_t{192}}) {  // u8: 2 lines, the second partial; 4 full lines
+          std::vector<uint8_t> x(n);
+          for (size_t i = 0; i < n; ++i) x[i] = static_cast<uint8_t>(value(i, r));
+          g.all_reduce(x.data(), x.data(), n, DataType::u8, ReduceOp::sum);
+          for (size_t i = 0; i < n; ++i) bad += x[i] != expect(i, ReduceOp::sum);
+        }
+        g.barrier();
+        for (const size_t n : {size_t{7}, size_t{24}}) {  // f64: 56 and 192 bytes
+          std::vector<double> x(n), out(n);
+          for (size_t i = 0; i < n; ++i) x[i] = value(i, r);
+          g.all_reduce(x.data(), out.data(), n, DataType::f64, ReduceOp::max);
+          for (size_t i = 0; i < n; ++i) bad += out[i] != expect(i, ReduceOp::max);
+        }
+        std::vector<float> big(100);  // 400 bytes: the staged path
+        for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(value(i, r));
+        g.all_reduce(big.data(), big.data(), big.size(), DataType::f32, ReduceOp::sum);
+        for (size_t i = 0; i < big.size(); ++i) bad += big[i] != static_cast<float>(expect(i, ReduceOp::sum));
+        int64_t one = r + 1;
+        g.all_reduce(&one, &one, 1, DataType::i64, ReduceOp::sum);
+        bad += one != static_cast<int64_t>(p) * (p + 1) / 2;
       }
     }, test_util::quick_options());
     EXPECT_EQ(bad.load(), 0) << p << " ranks";

@@ -47,8 +47,9 @@
 // that ended this phase without writing our lines made another call (check_calls() names it;
 // a different signature in the lines is reported the same way). Reuse follows the slots' rule.
 // Measured on a 2-vCPU EPYC VM, 2 ranks, 8-32 B: 0.72-0.82 us against 1.0-1.2 when the vCPUs
-// are far apart, 0.29-0.34 against 0.38-0.43 near; from 6 lines up (256 B) the staged path
-// is faster, since the reader polls lines the writer is still filling.
+// are far apart, 0.29-0.34 against 0.38-0.43 near; 4 lines (up to 192 B) still gain, at 6
+// (256 B) the staged path is faster far apart (1.0-1.2 against 1.2-1.4 us), since the reader
+// polls lines the writer is still filling. One-rank groups keep the staged path.
 //
 // Waiting spins (pause, then sched_yield so that more ranks than cores progress), then sleeps
 // on the rank's futex word; arrive() wakes the peers that announced a sleep (the same Dekker
@@ -266,8 +267,13 @@ void Collectives::wait_until(uint64_t target, Deadline deadline, Ready&& ready) 
         RankSlot& me = seg_.rank(rank_);
         const uint32_t seq = me.futex.load(std::memory_order_acquire);
         me.sleepers.fetch_add(1, std::memory_order_seq_cst);
-        const bool woken = ready(cursor) ||
-                           seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
+        bool woken = false;
+        try {
+          woken = ready(cursor) || seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
+        } catch (...) {  // ready() names a mismatched call by throwing; leave no sleeper behind
+          me.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+          throw;
+        }
         if (!woken) {
           futex_wait(me.futex, seq, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now) + Duration{1}));
         }
@@ -374,8 +380,10 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
       // Take the lines of the slot that the next chunk writes back from the peers now, while
       // nobody waits for them (see "Staging writes"; the peers finished reading that slot
       // before they arrived here): its copy-in then writes lines this core owns.
-      const char* next = seg_.stage(rank_, static_cast<int>((chunk_ + 1) & 1));
-      for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 1, 3);
+      if (size_ > 1) {
+        const char* next = seg_.stage(rank_, static_cast<int>((chunk_ + 1) & 1));
+        for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 1, 3);
+      }
       continue;
     }
     // Slice `rank_` of every slot, reduced in rank order (the same order as the small path and
@@ -437,7 +445,7 @@ void Collectives::all_reduce_lines(const char* in, char* out, size_t count, Data
   // Every line of every peer, loaded together so that their misses overlap. Every 16th poll
   // also looks at the phase counters: a peer that ended this phase without writing our lines
   // made another call, and check_calls() names it.
-  int polls = 0;
+  unsigned polls = 0;
   wait_until(target, deadline, [&](int& cursor) {
     bool all = true;
     for (int q = 0; q < size_; ++q) {
@@ -455,7 +463,18 @@ void Collectives::all_reduce_lines(const char* in, char* out, size_t count, Data
   for (int q = 0; q < size_; ++q) {
     const DataLine* theirs = seg_.rank(q).lines[parity];
     for (int i = 0; i < lines; ++i) {
-      if (theirs[i].call.load(std::memory_order_relaxed) != signature) check_calls();
+      if (theirs[i].call.load(std::memory_order_relaxed) == signature &&
+          theirs[i].phase.load(std::memory_order_acquire) == target) {
+        continue;
+      }
+      check_calls();  // names the other call; if the records agree, the lines broke the protocol
+      throw TransportError(TransportError::Kind::protocol, {q},
+                           fmt::format("shm: line {} of rank {} holds call {:#x} of phase {}, expected {:#x} of "
+                                       "phase {} (rank {}, call #{} on this transport)",
+                                       i, q, theirs[i].call.load(std::memory_order_relaxed),
+                                       theirs[i].phase.load(std::memory_order_relaxed), signature, target, rank_,
+                                       calls_),
+                           __FILE__, __LINE__);
     }
   }
   checked_ = true;

@@ -6,7 +6,9 @@
 //
 //   SegmentHeader   magic, version, size, ring bytes; abort state + rank + reason
 //   RankSlot[size]  per rank: pid, process start time, departed flag   (written once)
-//                   and, on its own line, the futex word + sleeper count  (hot)
+//                   and, on its own line, the futex word + sleeper count  (hot);
+//                   the phase counter + call records; 2 x kLinesPerCall data lines of the
+//                   small all_reduce (shm_collectives.cpp)
 //   RingCtl[P]      per ordered pair (src -> dst), src != dst: head (written by src only) and
 //                   tail (written by dst only), each on its own line
 //   ring data[P]    page aligned, ring_bytes (a power of two) each
