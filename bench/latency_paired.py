@@ -34,7 +34,7 @@ from collectives_compare import MPI_BASE, MPI_MCA, human, mpi_binding, mpi_varia
 
 
 def run_paired(a, n, variant):
-    """One paired run; returns {bytes: row} or raises RuntimeError naming the command."""
+    """One paired run; returns ({bytes: row}, command) or raises RuntimeError naming the command."""
     store = tempfile.mkdtemp(prefix="paired-store-")
     try:
         mca = dict(MPI_MCA)
@@ -95,7 +95,7 @@ def main():
     if not os.access(a.exe, os.X_OK):
         sys.exit(f"{a.exe}: not built (cmake builds it when Open MPI is installed: scripts/install-deps)")
     t0 = time.perf_counter()
-    results, verdicts, wrong = {}, [], 0
+    results, verdicts, errors, wrong = {}, [], [], {"dtrain": 0, "openmpi": 0}
     for n in [int(w) for w in a.worlds.split(",") if w]:
         repeats = []
         for r in range(a.repeats):
@@ -104,17 +104,29 @@ def main():
                 variants = variants[::-1]
             per_variant = []
             for v in variants:
-                rows, cmd = run_paired(a, n, v)
+                try:
+                    rows, cmd = run_paired(a, n, v)
+                except RuntimeError as e:
+                    errors.append(str(e))
+                    print(f"ERROR: world {n}, repeat {r + 1}: {e}", file=sys.stderr, flush=True)
+                    continue
                 print(f"world {n}, repeat {r + 1}/{a.repeats}, {','.join(f'{k}={x}' for k, x in v.items()) or 'defaults'}: "
                       + " ".join(f"{human(b)} {row['dtrain_p50_us']:.2f}/{row['openmpi_p50_us']:.2f}"
                                  for b, row in sorted(rows.items())), flush=True)
                 per_variant.append({"mca": v, "rows": rows, "cmd": cmd})
-                wrong += sum(row["wrong"] for row in rows.values())
+                for row in rows.values():
+                    for t in ("dtrain", "openmpi"):
+                        wrong[t] += row[f"{t}_wrong"]
+            if not per_variant:
+                continue  # every run of this repeat failed (reported above)
             best = {}
             for b in per_variant[0]["rows"]:
                 best[b] = {t: min(pv["rows"][b][f"{t}_p50_us"] for pv in per_variant) for t in ("dtrain", "openmpi")}
             repeats.append({"variants": per_variant, "best": best})
-        print(f"\nall_reduce f32 sum, world {n}: p50 in us, medians over {a.repeats} repeats "
+        if not repeats:
+            print(f"\nall_reduce world {n}: no successful run")
+            continue
+        print(f"\nall_reduce f32 sum, world {n}: p50 in us, medians over {len(repeats)} repeats "
               f"(each the lower of the runs in Open MPI's settings), both timed in the same processes")
         print(f"{'size':>7s}  {'dtrain':>7s}  {'openmpi':>7s}  {'ratio':>6s}  per repeat")
         table, worst = {}, None
@@ -131,15 +143,19 @@ def main():
               f"worst {worst[0]:.2f} at {human(worst[1])} (per repeat {min(worst[2]):.2f}-{max(worst[2]):.2f})\n")
         verdicts.append({"world": n, "ok": ok, "worst_ratio": worst[0], "worst_bytes": worst[1]})
         results[str(n)] = {"repeats": repeats, "table": table}
-    if wrong:
-        print(f"!!! {wrong} WRONG result elements (see the JSON) !!!")
+    for t, w in wrong.items():
+        if w:
+            print(f"!!! {t}: {w} WRONG result elements !!!")
+    if errors:
+        print(f"!!! {len(errors)} run(s) FAILED; see the errors above (stderr)")
     print(f"targets: {sum(v['ok'] for v in verdicts)}/{len(verdicts)} met; total {time.perf_counter() - t0:.0f} s")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"config": vars(a), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "targets": verdicts,
-                   "wrong": wrong, "worlds": results}, f, indent=1)
+                   "wrong": wrong, "errors": errors, "worlds": results}, f, indent=1)
     print(f"wrote {a.out}")
-    sys.exit(1 if wrong else 0)
+    # Non-zero for wrong results or failed runs; a missed target is a finding, printed above.
+    sys.exit(1 if any(wrong.values()) or errors else 0)
 
 
 if __name__ == "__main__":

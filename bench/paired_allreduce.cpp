@@ -15,9 +15,10 @@
 // with the rank's pattern (untimed), runs its own barrier, and times one all_reduce, the same
 // steps as bench/mpi_allreduce.c and `dtrain bench collectives`. The time of an iteration is the
 // maximum over ranks; p50/p99 by linear interpolation. Every timed result is checked against
-// the exact sum (small integers; from 1 MiB only each size's first timed result). One JSON
-// line per size on rank 0's stdout:
-//   {"bytes":B,"dtrain_p50_us":..,"dtrain_p99_us":..,"openmpi_p50_us":..,"openmpi_p99_us":..,"wrong":W}
+// the exact sum (small integers; above 1 MiB only each size's first timed result). One JSON
+// line per size on rank 0's stdout, with the wrong elements summed over ranks and rounds:
+//   {"bytes":B,"dtrain_p50_us":..,"dtrain_p99_us":..,"openmpi_p50_us":..,"openmpi_p99_us":..,
+//    "dtrain_wrong":W,"openmpi_wrong":W}
 #include <mpi.h>
 
 #include <algorithm>
@@ -37,19 +38,23 @@ using dtrain::comm::DataType;
 using dtrain::comm::Group;
 using dtrain::comm::ReduceOp;
 
+// A power of two of at least 4 bytes, optionally with K or M.
 size_t parse_bytes(const std::string& s) {
   size_t used = 0;
-  const double v = std::stod(s, &used);
+  const unsigned long long v = std::stoull(s, &used);
   size_t mul = 1;
   if (used < s.size()) {
-    switch (s[used]) {
-      case 'k': case 'K': mul = size_t{1} << 10; break;
-      case 'm': case 'M': mul = size_t{1} << 20; break;
-      default: throw std::invalid_argument("bad size '" + s + "' (bytes, or with K or M)");
+    const char unit = s[used];
+    if (used + 1 != s.size() || (unit != 'k' && unit != 'K' && unit != 'm' && unit != 'M')) {
+      throw std::invalid_argument("bad size '" + s + "' (bytes, or a number with K or M)");
     }
+    mul = unit == 'k' || unit == 'K' ? size_t{1} << 10 : size_t{1} << 20;
   }
-  if (v < 4) throw std::invalid_argument("size '" + s + "' is below one f32");
-  return static_cast<size_t>(v * static_cast<double>(mul));
+  const size_t bytes = static_cast<size_t>(v) * mul;
+  if (bytes < 4 || (bytes & (bytes - 1)) != 0) {
+    throw std::invalid_argument("size '" + s + "' is not a power of two of at least 4 bytes");
+  }
+  return bytes;
 }
 
 double percentile(std::vector<double> v, double q) {
@@ -116,7 +121,7 @@ int run(int argc, char** argv) {
     const size_t count = bytes / sizeof(float);
     std::vector<float> mpi_buf(count), dt_buf(count);
     std::vector<double> t_mpi(static_cast<size_t>(o.iters)), t_dt(static_cast<size_t>(o.iters));
-    uint64_t bad = 0;
+    unsigned long long bad[2] = {0, 0};  // dtrain, Open MPI
     auto mpi_once = [&](double* t) {
       fill(mpi_buf, rank);
       MPI_Barrier(MPI_COMM_WORLD);
@@ -146,19 +151,21 @@ int run(int argc, char** argv) {
         mpi_once(tm);
       }
       // Every result while that is cheap; from 1 MiB the first one (checking takes longer than the call).
-      if (count <= (size_t{1} << 18) || k == 0) bad = std::max(bad, wrong(mpi_buf, size) + wrong(dt_buf, size));
+      if (count <= (size_t{1} << 18) || k == 0) {
+        bad[0] += wrong(dt_buf, size);
+        bad[1] += wrong(mpi_buf, size);
+      }
     }
     // An iteration takes as long as its slowest rank.
     MPI_Allreduce(MPI_IN_PLACE, t_mpi.data(), o.iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, t_dt.data(), o.iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    unsigned long long bad_all = bad;
-    MPI_Allreduce(MPI_IN_PLACE, &bad_all, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, bad, 2, MPI_UNSIGNED_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
     if (rank == 0) {
       std::printf(
           "{\"bytes\":%zu,\"dtrain_p50_us\":%.4f,\"dtrain_p99_us\":%.4f,\"openmpi_p50_us\":%.4f,"
-          "\"openmpi_p99_us\":%.4f,\"wrong\":%llu}\n",
+          "\"openmpi_p99_us\":%.4f,\"dtrain_wrong\":%llu,\"openmpi_wrong\":%llu}\n",
           bytes, percentile(t_dt, 0.5) * 1e6, percentile(t_dt, 0.99) * 1e6, percentile(t_mpi, 0.5) * 1e6,
-          percentile(t_mpi, 0.99) * 1e6, bad_all);
+          percentile(t_mpi, 0.99) * 1e6, bad[0], bad[1]);
       std::fflush(stdout);
     }
   }
