@@ -267,6 +267,9 @@ void Collectives::wait_until(uint64_t target, Deadline deadline, Ready&& ready) 
         RankSlot& me = seg_.rank(rank_);
         const uint32_t seq = me.futex.load(std::memory_order_acquire);
         me.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        // Orders the re-check below against the writers' fence in arrive() in the C++
+        // model too (on x86 the read-modify-write alone already does).
+        std::atomic_thread_fence(std::memory_order_seq_cst);
         bool woken = false;
         try {
           woken = ready(cursor) || seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
