@@ -266,21 +266,15 @@ void Collectives::wait_until(uint64_t target, Deadline deadline, Ready&& ready) 
         idle = 0;
         RankSlot& me = seg_.rank(rank_);
         const uint32_t seq = me.futex.load(std::memory_order_acquire);
-        me.sleepers.fetch_add(1, std::memory_order_seq_cst);
-        // Orders the re-check below against the writers' fence in arrive() in the C++
-        // model too (on x86 the read-modify-write alone already does).
-        std::atomic_thread_fence(std::memory_order_seq_cst);
-        bool woken = false;
-        try {
-          woken = ready(cursor) || seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
-        } catch (...) {  // ready() names a mismatched call by throwing; leave no sleeper behind
-          me.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-          throw;
+        {
+          // ready() may throw (it names a mismatched call); the announcement ends either way.
+          const SleepAnnouncement announce(me);
+          const bool woken =
+              ready(cursor) || seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
+          if (!woken) {
+            futex_wait(me.futex, seq, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now) + Duration{1}));
+          }
         }
-        if (!woken) {
-          futex_wait(me.futex, seq, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now) + Duration{1}));
-        }
-        me.sleepers.fetch_sub(1, std::memory_order_seq_cst);
         continue;
       }
     }

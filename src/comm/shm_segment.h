@@ -195,6 +195,24 @@ void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, Duration timeout
 /// Bumps *word and wakes every sleeper on it.
 void futex_wake_all(std::atomic<uint32_t>& word);
 
+/// The sleeper's half of the wake-up handshake (shm_transport.cpp): while it lives, `slot`
+/// counts one more sleeper, and the full fence after the count orders the caller's re-check of
+/// its condition against the waker's fence (in the C++ model too; on x86 the read-modify-write
+/// alone already does). Leaving the scope by an exception takes the count back as well.
+class SleepAnnouncement {
+ public:
+  explicit SleepAnnouncement(RankSlot& slot) : slot_(slot) {
+    slot_.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+  ~SleepAnnouncement() { slot_.sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+  SleepAnnouncement(const SleepAnnouncement&) = delete;
+  SleepAnnouncement& operator=(const SleepAnnouncement&) = delete;
+
+ private:
+  RankSlot& slot_;
+};
+
 /// Start time of `pid` in clock ticks since boot, 0 if unknown.
 uint64_t process_start_time(pid_t pid);
 

@@ -250,12 +250,7 @@ class ShmTransport final : public Transport {
   void sleep(const std::vector<Request*>& listed, size_t& cursor, Duration timeout) {
     shm::RankSlot& slot = seg_.rank(rank_);
     const uint32_t seq = slot.futex.load(std::memory_order_acquire);
-    slot.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    std::atomic_thread_fence(std::memory_order_seq_cst);  // as in shm_collectives.cpp's wait
-    struct Announce {
-      shm::RankSlot& slot;
-      ~Announce() { slot.sleepers.fetch_sub(1, std::memory_order_seq_cst); }
-    } announce{slot};
+    const shm::SleepAnnouncement announce(slot);
     check_abort();
     if (pass() || all_complete(listed, cursor)) return;
     shm::futex_wait(slot.futex, seq, timeout);
