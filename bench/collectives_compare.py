@@ -489,7 +489,7 @@ def main():
                    help="size: per repeat, every tool runs each size back to back (the tools of one size "
                    "run seconds apart); sweep: every tool runs its whole sweep in turn (fewer launches)")
     p.add_argument("--tools", default="dtrain,openmpi,gloo")
-    p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "release", "tools", "dtrain", "dtrain"))
+    p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "release", "dtrain"))
     p.add_argument("--algo", default="auto", help="dtrain --algo")
     p.add_argument("--python", default="/usr/bin/python3", help="interpreter with PyTorch (gloo)")
     p.add_argument("--mpicc", default="mpicc")
