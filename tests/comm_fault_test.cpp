@@ -96,13 +96,14 @@ int wait_exit(pid_t pid) {
   return status;
 }
 
-// (ranks, floats per all_reduce): 4 MiB takes several staging chunks per call; 8 floats go in
-// one flagged line.
-class KillDuringAllReduce : public ::testing::TestWithParam<std::tuple<int, size_t>> {};
+// (ranks, floats per all_reduce, in shared memory): 4 MiB takes several staging chunks per
+// call; 8 floats go in one flagged line; shared: all_reduce_shared on allocate_shared memory.
+class KillDuringAllReduce : public ::testing::TestWithParam<std::tuple<int, size_t, bool>> {};
 
 TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
   const int size = std::get<0>(GetParam());
   const size_t count = std::get<1>(GetParam());
+  const bool shared = std::get<2>(GetParam());
   const int victim = size / 2;
   const Duration timeout = 20s;  // detection must come from the liveness check, far sooner
   Job job;
@@ -112,13 +113,22 @@ TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
   for (int r = 0; r < size; ++r) {
     pids.push_back(spawn_rank(job, r, size, timeout, [&](Group& g) {
       std::vector<float> x(count, 1.0f);
+      SharedMemory m;
+      if (shared) m = g.allocate_shared(count * 4 * static_cast<size_t>(size));
+      auto all_reduce = [&] {
+        if (shared) {
+          g.all_reduce_shared(m, 0, count * 4, count, DataType::f32, ReduceOp::sum);
+        } else {
+          g.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
+        }
+      };
       if (g.rank() == victim) {
-        g.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
+        all_reduce();
         const char one = 1;
         (void)!::write(ready[1], &one, 1);
         ::pause();  // killed here, while the others are inside the next all_reduce
       }
-      for (int k = 0; k < 1000000; ++k) g.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
+      for (int k = 0; k < 1000000; ++k) all_reduce();
     }));
   }
   // Kill the victim once it finished its first all_reduce (the others then block on it).
@@ -148,7 +158,11 @@ TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, KillDuringAllReduce,
-                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(size_t{1} << 20, size_t{8})));
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(size_t{1} << 20, size_t{8}),
+                                            ::testing::Values(false)));
+INSTANTIATE_TEST_SUITE_P(SharedMemory, KillDuringAllReduce,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(size_t{1} << 20),
+                                            ::testing::Values(true)));
 
 TEST(CollectiveMismatch, RanksCallingDifferentCollectivesAreNamed) {
   Job job;

@@ -1,5 +1,5 @@
-// Group::allocate_shared and reduce_scatter_shared_async: memory every rank of a one-host group
-// maps, and the reduce_scatter that reads its inputs there in place. Checked against the
+// Group::allocate_shared, reduce_scatter_shared_async and all_reduce_shared: memory every rank
+// of a one-host group maps, and the collectives that read (and write) their vectors there in place. Checked against the
 // copying reduce_scatter bit for bit, with the errors a caller can run into.
 #include <dirent.h>
 #include <fmt/format.h>
@@ -118,6 +118,89 @@ TEST(SharedMemory, ReduceScatterInPlaceEqualsTheCopyingOneBitwise) {
   }
 }
 
+TEST(SharedMemory, AllReduceInPlaceEqualsTheCopyingOneBitwise) {
+  // Every rank's vectors at offset + q * stride: f32, f64, then i32 (exact), each compared with
+  // the copying all_reduce of the same inputs. Counts below, at and far above one block per
+  // rank, and not multiples of the ranks or of a cache line.
+  for (int world : {1, 2, 3, 5, 8}) {
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{4099}, size_t{70001}}) {
+        if (world == 8 && count > 4099 && op != ReduceOp::sum) continue;  // the largest only with sum at 8 ranks
+        run_ranks(world, [&](Group& g) {
+          std::mt19937 rng(static_cast<unsigned>(g.rank() * 7919 + static_cast<int>(count)));
+          std::vector<float> input(count);
+          fill(input, rng);
+          std::vector<double> input64(input.begin(), input.end());
+          std::vector<int32_t> input32(input.begin(), input.end());
+          const size_t f32_bytes = count * 4, f64_bytes = count * 8, i32_bytes = count * 4;
+          const size_t stride = f32_bytes + f64_bytes + i32_bytes + 40;  // not a multiple of a line
+          SharedMemory m = g.allocate_shared(24 + stride * static_cast<size_t>(world));
+          char* mine = m.data() + 24 + static_cast<size_t>(g.rank()) * stride;
+          std::memcpy(mine, input.data(), f32_bytes);
+          std::memcpy(mine + f32_bytes, input64.data(), f64_bytes);
+          std::memcpy(mine + f32_bytes + f64_bytes, input32.data(), i32_bytes);
+
+          std::vector<float> want(count);
+          std::vector<double> want64(count);
+          std::vector<int32_t> want32(count);
+          g.all_reduce(input.data(), want.data(), count, DataType::f32, op);
+          g.all_reduce(input64.data(), want64.data(), count, DataType::f64, op);
+          g.all_reduce(input32.data(), want32.data(), count, DataType::i32, op);
+          Work a = g.all_reduce_shared_async(m, 24, stride, count, DataType::f32, op);
+          Work b = g.all_reduce_shared_async(m, 24 + f32_bytes, stride, count, DataType::f64, op);
+          g.all_reduce_shared(m, 24 + f32_bytes + f64_bytes, stride, count, DataType::i32, op);
+          a.wait();
+          b.wait();
+          const std::string what = fmt::format("world {} {} count {} rank {}", world, name_of(op), count, g.rank());
+          // This rank's vector and every other one hold the result.
+          for (int q = 0; q < world; ++q) {
+            const char* theirs = m.data() + 24 + static_cast<size_t>(q) * stride;
+            EXPECT_EQ(0, std::memcmp(want.data(), theirs, f32_bytes)) << "f32 of rank " << q << ", " << what;
+            EXPECT_EQ(0, std::memcmp(want64.data(), theirs + f32_bytes, f64_bytes)) << "f64 of rank " << q << ", " << what;
+            EXPECT_EQ(0, std::memcmp(want32.data(), theirs + f32_bytes + f64_bytes, i32_bytes))
+                << "i32 of rank " << q << ", " << what;
+          }
+          // The bytes around the vectors are untouched.
+          for (size_t i = 0; i < 24; ++i) ASSERT_EQ(m.data()[i], 0) << what;
+          for (int q = 0; q < world; ++q) {
+            const char* slack = m.data() + 24 + static_cast<size_t>(q) * stride + f32_bytes + f64_bytes + i32_bytes;
+            for (size_t i = 0; i < 40; ++i) ASSERT_EQ(slack[i], 0) << "slack of rank " << q << ", " << what;
+          }
+          g.barrier();  // nobody frees the memory while another rank still checks it
+        });
+      }
+    }
+  }
+}
+
+TEST(SharedMemory, AllReducesInSharedMemoryRepeatAndInterleaveWithCopyingCalls) {
+  // The same vectors reduced again and again (sum of ones grows by the world size each time),
+  // with copying collectives and barriers in between, at sizes of several blocks per rank.
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [&](Group& g) {
+      constexpr size_t kCount = 300007;
+      const size_t stride = kCount * 4;
+      SharedMemory m = g.allocate_shared(stride * static_cast<size_t>(world));
+      auto* mine = reinterpret_cast<float*>(m.data() + static_cast<size_t>(g.rank()) * stride);
+      for (size_t i = 0; i < kCount; ++i) mine[i] = static_cast<float>(i % 5);
+      g.barrier();
+      double factor = 1;
+      for (int round = 0; round < 4; ++round) {
+        g.all_reduce_shared(m, 0, stride, kCount, DataType::f32, ReduceOp::sum);
+        factor *= world;
+        for (size_t i = 0; i < kCount; ++i) {
+          ASSERT_EQ(mine[i], static_cast<float>(static_cast<double>(i % 5) * factor))
+              << "rank " << g.rank() << " round " << round << " element " << i;
+        }
+        std::vector<int64_t> x(1000, g.rank());
+        g.all_reduce(x.data(), x.data(), x.size(), DataType::i64, ReduceOp::sum);
+        ASSERT_EQ(x[999], static_cast<int64_t>(world * (world - 1) / 2));
+        g.barrier();
+      }
+    });
+  }
+}
+
 TEST(SharedMemory, MisuseIsNamed) {
   // Inputs that do not fit, or that overlap.
   run_ranks(2, [](Group& g) {
@@ -168,6 +251,39 @@ TEST(SharedMemory, MisuseIsNamed) {
       const std::string msg = e.what();
       EXPECT_NE(msg.find("reduce_scatter (shared memory)(f32, 4, sum)"), std::string::npos) << msg;
       EXPECT_NE(msg.find("reduce_scatter(f32, 4, sum)"), std::string::npos) << msg;
+    }
+  });
+}
+TEST(SharedMemory, AllReduceMismatchesAndMisuseAreNamed) {
+  run_ranks(2, [](Group& g) {
+    SharedMemory m = g.allocate_shared(2 * 64);
+    try {
+      (void)g.all_reduce_shared_async(m, 0, 32, 16, DataType::f32, ReduceOp::sum);
+      ADD_FAILURE() << "vectors of 64 bytes every 32 bytes were accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
+    }
+    try {
+      (void)g.all_reduce_shared_async(SharedMemory(), 0, 64, 1, DataType::f32, ReduceOp::sum);
+      ADD_FAILURE() << "an empty SharedMemory was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("allocate_shared"), std::string::npos) << e.what();
+    }
+    // One rank reduces in shared memory, the other calls the copying all_reduce (of more than
+    // the lines' 192 bytes, so both take staged phases): both fail, naming both calls.
+    std::vector<float> in(16);
+    try {
+      if (g.rank() == 0) {
+        g.all_reduce_shared(m, 0, 64, 16, DataType::f32, ReduceOp::sum);
+      } else {
+        std::vector<float> big(100);
+        g.all_reduce(big.data(), big.data(), big.size(), DataType::f32, ReduceOp::sum);
+      }
+      ADD_FAILURE() << "rank " << g.rank() << ": mismatched calls went through";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("all_reduce (shared memory)(f32, 16, sum)"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("all_reduce(f32, 100, sum)"), std::string::npos) << msg;
     }
   });
 }

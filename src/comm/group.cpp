@@ -1172,24 +1172,54 @@ SharedMemory Group::allocate_shared(size_t bytes) {
   return m;
 }
 
+namespace {
+
+// The byte at which rank 0's vector of `bytes` starts in `memory`, after checking that every
+// rank's vector, `stride` bytes apart from `offset`, fits without overlapping.
+const char* shared_vectors(const SharedMemory& memory, bool can_share, const std::string& group,
+                           const std::string& kind, const char* op, size_t offset, size_t stride, size_t bytes,
+                           int size) {
+  DT_CHECK(memory.valid() && can_share, "comm", "group '{}': {} needs memory from allocate_shared on a shm group ({})",
+           group, op, kind);
+  DT_CHECK(offset + static_cast<size_t>(size - 1) * stride + bytes <= memory.bytes() && (size == 1 || stride >= bytes),
+           "comm", "{}: vectors of {} bytes at offset {} every {} bytes do not fit {} bytes of shared memory without "
+           "overlapping", op, bytes, offset, stride, memory.bytes());
+  return memory.data() + offset;
+}
+
+}  // namespace
+
 Work Group::reduce_scatter_shared_async(const SharedMemory& memory, size_t offset, size_t stride, void* recv,
                                         size_t recv_count, DataType dtype, ReduceOp op) {
   Impl& g = impl("reduce_scatter_shared");
-  DT_CHECK(memory.valid() && can_share_memory(), "comm",
-           "group '{}': reduce_scatter_shared needs memory from allocate_shared on a shm group ({})", g.name, g.kind);
   const size_t input = static_cast<size_t>(g.size) * recv_count * size_of(dtype);
-  DT_CHECK(offset + static_cast<size_t>(g.size - 1) * stride + input <= memory.bytes() && (g.size == 1 || stride >= input),
-           "comm",
-           "reduce_scatter_shared: inputs of {} bytes at offset {} every {} bytes do not fit {} bytes of shared memory "
-           "without overlapping",
-           input, offset, stride, memory.bytes());
-  const char* inputs = memory.data() + offset;
+  const char* inputs = shared_vectors(memory, can_share_memory(), g.name, g.kind, "reduce_scatter_shared", offset,
+                                      stride, input, g.size);
   return g.run_direct(
       "reduce_scatter_shared", false,
       [=, keep = memory.keep_alive()](DirectCollectives& d, Deadline deadline) {
         d.reduce_scatter_mapped(inputs, stride, recv, recv_count, dtype, op, deadline);
       },
       input);
+}
+
+Work Group::all_reduce_shared_async(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
+                                    DataType dtype, ReduceOp op) {
+  Impl& g = impl("all_reduce_shared");
+  const size_t bytes = count * size_of(dtype);
+  char* vectors = const_cast<char*>(shared_vectors(memory, can_share_memory(), g.name, g.kind, "all_reduce_shared",
+                                                   offset, stride, bytes, g.size));
+  return g.run_direct(
+      "all_reduce_shared", false,
+      [=, keep = memory.keep_alive()](DirectCollectives& d, Deadline deadline) {
+        d.all_reduce_mapped(vectors, stride, count, dtype, op, deadline);
+      },
+      bytes);
+}
+
+void Group::all_reduce_shared(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
+                              ReduceOp op) {
+  all_reduce_shared_async(memory, offset, stride, count, dtype, op).wait();
 }
 
 void Group::barrier() {

@@ -24,12 +24,22 @@ class Collectives final : public DirectCollectives {
   void barrier(Deadline deadline) override;
   void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
                              ReduceOp op, Deadline deadline) override;
+  void all_reduce_mapped(char* vectors, size_t stride, size_t count, DataType dtype, ReduceOp op,
+                         Deadline deadline) override;
 
   /// How this rank writes its staging slot for large chunks (see "Staging writes" in the .cpp).
   enum class StageWrites { automatic, cached, streaming };
 
  private:
-  enum class Kind : uint64_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier, reduce_scatter_mapped };
+  enum class Kind : uint64_t {
+    all_reduce = 1,
+    broadcast,
+    all_gather,
+    reduce_scatter,
+    barrier,
+    reduce_scatter_mapped,
+    all_reduce_mapped
+  };
   struct Call {
     Kind kind;
     DataType dtype;

@@ -143,12 +143,15 @@ struct Case {
   size_t count;  // elements of the whole vector
   size_t block;  // elements per rank where the collective has blocks
   std::vector<char> send, recv;
+  comm::SharedMemory shared;  // --shared: every rank's vector, `stride` bytes apart
+  size_t stride = 0;
+  char* in = nullptr;         // this rank's input: send, or its vector in `shared`
   std::optional<Codec> codec;  // the compressed collective (f32 all_reduce / reduce_scatter)
   comm::CompressStats stats;   // added to by every compressed run
 
   // `elements`: the whole vector, or (all_gather, reduce_scatter, all_to_all) each rank's block.
-  Case(Op o, Group& group, DataType t, ReduceOp r, bool in_place, size_t elements)
-      : op(o), g(&group), dtype(t), redop(r), inplace(in_place) {
+  Case(Op o, Group& group, DataType t, ReduceOp r, bool in_place, size_t elements, bool in_shared = false)
+      : op(o), g(&group), dtype(t), redop(r), inplace(in_place || in_shared) {
     const size_t es = comm::size_of(t);
     const size_t p = static_cast<size_t>(group.size());
     const bool blocks = op == Op::allgather || op == Op::reducescatter || op == Op::alltoall;
@@ -156,29 +159,36 @@ struct Case {
     count = blocks ? elements * p : elements;
     const size_t send_elems = op == Op::allgather ? block : count;
     const size_t recv_elems = op == Op::reducescatter ? block : count;
-    send.assign(std::max<size_t>(1, send_elems * es), 0);
     recv.assign(std::max<size_t>(1, recv_elems * es), 0);
+    if (in_shared) {
+      stride = (std::max<size_t>(1, count * es) + 4095) / 4096 * 4096;  // page-aligned vectors
+      shared = group.allocate_shared(stride * p);
+      in = shared.data() + stride * static_cast<size_t>(group.rank());
+    } else {
+      send.assign(std::max<size_t>(1, send_elems * es), 0);
+      in = send.data();
+    }
   }
 
   size_t es() const { return comm::size_of(dtype); }
-  void* out() { return inplace && op == Op::allreduce ? send.data() : recv.data(); }
+  void* out() { return inplace && op == Op::allreduce ? in : recv.data(); }
 
   void fill() {
     const int r = g->rank(), p = g->size();
     switch (op) {
       case Op::allreduce:
       case Op::reducescatter:
-        for (size_t i = 0; i < count; ++i) store_value(send.data(), i, dtype, input_value(redop, r, p, i));
+        for (size_t i = 0; i < count; ++i) store_value(in, i, dtype, input_value(redop, r, p, i));
         break;
       case Op::allgather:
-        for (size_t i = 0; i < block; ++i) store_value(send.data(), i, dtype, tag_value(r, i));
+        for (size_t i = 0; i < block; ++i) store_value(in, i, dtype, tag_value(r, i));
         break;
       case Op::broadcast:
-        for (size_t i = 0; i < count; ++i) store_value(send.data(), i, dtype, r == 0 ? tag_value(0, i) : 0.0);
+        for (size_t i = 0; i < count; ++i) store_value(in, i, dtype, r == 0 ? tag_value(0, i) : 0.0);
         break;
       case Op::sendrecv:
       case Op::alltoall:
-        for (size_t i = 0; i < count; ++i) store_value(send.data(), i, dtype, tag_value(r, i));
+        for (size_t i = 0; i < count; ++i) store_value(in, i, dtype, tag_value(r, i));
         break;
     }
     std::fill(recv.begin(), recv.end(), 0);
@@ -187,26 +197,32 @@ struct Case {
   void run() {
     const int r = g->rank(), p = g->size();
     if (codec) {
-      auto* in = reinterpret_cast<const float*>(send.data());
+      const auto* src = reinterpret_cast<const float*>(in);
       if (op == Op::allreduce) {
-        g->all_reduce_compressed(in, static_cast<float*>(out()), count, *codec, redop, nullptr, &stats);
+        g->all_reduce_compressed(src, static_cast<float*>(out()), count, *codec, redop, nullptr, &stats);
       } else {
-        g->reduce_scatter_compressed(in, reinterpret_cast<float*>(recv.data()), block, *codec, redop, nullptr, &stats);
+        g->reduce_scatter_compressed(src, reinterpret_cast<float*>(recv.data()), block, *codec, redop, nullptr, &stats);
       }
       return;
     }
     switch (op) {
-      case Op::allreduce: g->all_reduce(send.data(), out(), count, dtype, redop); break;
-      case Op::allgather: g->all_gather(send.data(), recv.data(), block, dtype); break;
-      case Op::reducescatter: g->reduce_scatter(send.data(), recv.data(), block, dtype, redop); break;
-      case Op::broadcast: g->broadcast(send.data(), count, dtype, 0); break;
-      case Op::alltoall: g->all_to_all(send.data(), recv.data(), block, dtype); break;
+      case Op::allreduce:
+        if (shared.valid()) {
+          g->all_reduce_shared(shared, 0, stride, count, dtype, redop);
+        } else {
+          g->all_reduce(in, out(), count, dtype, redop);
+        }
+        break;
+      case Op::allgather: g->all_gather(in, recv.data(), block, dtype); break;
+      case Op::reducescatter: g->reduce_scatter(in, recv.data(), block, dtype, redop); break;
+      case Op::broadcast: g->broadcast(in, count, dtype, 0); break;
+      case Op::alltoall: g->all_to_all(in, recv.data(), block, dtype); break;
       case Op::sendrecv: {
         if (p == 1) {
-          std::memcpy(recv.data(), send.data(), count * es());
+          std::memcpy(recv.data(), in, count * es());
           break;
         }
-        comm::Work w = g->send_async(send.data(), count, dtype, (r + 1) % p);
+        comm::Work w = g->send_async(in, count, dtype, (r + 1) % p);
         g->recv(recv.data(), count, dtype, (r + p - 1) % p);
         w.wait();
         break;
@@ -221,7 +237,7 @@ struct Case {
     const int r = g->rank(), p = g->size();
     uint64_t bad = 0;
     auto expect = [&](const void* buf, size_t i, double want) { bad += load_value(buf, i, dtype) != want; };
-    const void* res = inplace && op == Op::allreduce ? send.data() : recv.data();
+    const void* res = inplace && op == Op::allreduce ? in : recv.data();
     switch (op) {
       case Op::allreduce:
         for (size_t i = 0; i < count; ++i) expect(res, i, cast(expected_value(redop, p, i)));
@@ -233,7 +249,7 @@ struct Case {
         for (size_t i = 0; i < count; ++i) expect(res, i, tag_value(static_cast<int>(i / block), i % block));
         break;
       case Op::broadcast:
-        for (size_t i = 0; i < count; ++i) expect(send.data(), i, tag_value(0, i));
+        for (size_t i = 0; i < count; ++i) expect(in, i, tag_value(0, i));
         break;
       case Op::sendrecv:
         for (size_t i = 0; i < count; ++i) expect(res, i, tag_value((r + p - 1) % p, i));
@@ -256,7 +272,7 @@ struct Case {
     const int r = g->rank(), p = g->size();
     const bool all_reduce = op == Op::allreduce;
     const bool avg = redop == ReduceOp::avg;
-    const auto* res = reinterpret_cast<const float*>(all_reduce && inplace ? send.data() : recv.data());
+    const auto* res = reinterpret_cast<const float*>(all_reduce && inplace ? in : recv.data());
     // Blocks: all_reduce, the even split of the vector (larger first); reduce_scatter, `block` each.
     std::vector<size_t> begins(static_cast<size_t>(p) + 1, 0);
     const auto np = static_cast<size_t>(p);
@@ -485,12 +501,13 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string
     const std::string how = codec ? fmt::format("codec {} (two-phase)", comm::name_of(*codec))
                                   : fmt::format("algo {}", comm::name_of(algo));
     std::printf("# %s %s%s%s, %s, %s\n", op_name.c_str(), comm::name_of(dtype), reducing ? " " : "",
-                reducing ? comm::name_of(redop) : "", inplace ? "in place" : "out of place", how.c_str());
+                reducing ? comm::name_of(redop) : "",
+                o.shared ? "in place in shared memory" : inplace ? "in place" : "out of place", how.c_str());
     std::fflush(stdout);
   }
   uint64_t total_wrong = 0;
   for (size_t elements : sizes) {
-    Case c(op, g, dtype, redop, inplace, elements);
+    Case c(op, g, dtype, redop, inplace, elements, o.shared);
     c.codec = codec;
     // Correctness first, on fresh inputs (the timed runs may overflow the in-place data).
     c.fill();
@@ -529,8 +546,9 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string
     Algorithm ran = algo;
     if (op == Op::allreduce) ran = g.all_reduce_algorithm(c.count * c.es());
     if (direct_op && g.all_reduce_algorithm(0) == Algorithm::direct) ran = Algorithm::direct;
+    const char* ran_name = o.shared ? "shared" : comm::name_of(ran);
     double model = 0;
-    if (m.model && op == Op::allreduce && p >= 2) {
+    if (m.model && op == Op::allreduce && p >= 2 && !o.shared) {
       model = model_all_reduce(ran, data_bytes, p, m.pp, m.gamma, 1e-9 / m.copy_gbs, m.stage_bytes, m.cores);
     }
     if (codec) {
@@ -562,7 +580,7 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string
       continue;
     }
     std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
-                c.count, comm::name_of(dtype), reducing ? comm::name_of(redop) : "-", comm::name_of(ran), p50 * 1e6,
+                c.count, comm::name_of(dtype), reducing ? comm::name_of(redop) : "-", ran_name, p50 * 1e6,
                 p99 * 1e6, algbw, busbw, busbw / m.copy_gbs, static_cast<unsigned long long>(wrong));
     if (model > 0) std::printf(" %10.2f %11.2f", model * 1e6, p50 / model);
     std::printf("\n");
@@ -573,7 +591,7 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string
                           {"type", comm::name_of(dtype)},
                           {"redop", comm::name_of(redop)},
                           {"inplace", inplace},
-                          {"algo", comm::name_of(ran)},
+                          {"algo", ran_name},
                           {"p50_us", p50 * 1e6},
                           {"p99_us", p99 * 1e6},
                           {"algbw_GBs", algbw},
@@ -624,7 +642,12 @@ int worker(const CollBenchOptions& o) {
   }
   std::vector<size_t> counts;
   for (const auto& c : split_list(o.counts)) counts.push_back(parse_bytes(c));
-  std::vector<bool> placements = {o.inplace};
+  if (o.shared) {
+    for (Op op : ops) DT_CHECK(op == Op::allreduce, "bench", "--shared applies to --op allreduce only");
+    DT_CHECK(o.compress.empty(), "bench", "--shared and --compress do not go together");
+    DT_CHECK(!o.all_placements, "bench", "--shared runs in place; drop --all-placements");
+  }
+  std::vector<bool> placements = {o.inplace || o.shared};
   if (o.all_placements) placements = {false, true};
 
   comm::GroupOptions gopts;
@@ -656,7 +679,8 @@ int worker(const CollBenchOptions& o) {
   if (!o.compress.empty()) doc["compress"] = o.compress;
   doc["iters"] = o.iters;
   doc["warmup"] = o.warmup;
-  doc["inplace"] = o.inplace;
+  doc["inplace"] = o.inplace || o.shared;
+  doc["shared"] = o.shared;
   doc["memcpy_GBs"] = m.copy_gbs;
   doc["cores"] = m.cores;
   doc["rows"] = nlohmann::json::array();

@@ -252,6 +252,17 @@ class Group {
   /// has read every input. Ordering, timeout and failure rules are the collectives'.
   Work reduce_scatter_shared_async(const SharedMemory& memory, size_t offset, size_t stride, void* recv,
                                    size_t recv_count, DataType dtype, ReduceOp op);
+  /// all_reduce in place with no copy in or out: rank q's vector, `count` elements, lies in
+  /// `memory` at byte `offset + q * stride`. Each rank reduces one slice straight from every
+  /// vector, in rank order (the same bits as all_reduce), and writes it into every vector, so
+  /// the data crosses the memory system once instead of through staging copies. The vectors
+  /// must be written before the call and stay untouched until its Work completed, which it
+  /// does when every vector holds the result. Ordering, timeout and failure rules are the
+  /// collectives'.
+  Work all_reduce_shared_async(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
+                               DataType dtype, ReduceOp op);
+  void all_reduce_shared(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
+                         ReduceOp op);
 
   Work all_reduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op);
   Work reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op);

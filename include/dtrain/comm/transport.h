@@ -66,6 +66,17 @@ class DirectCollectives {
     throw TransportError(TransportError::Kind::protocol, {}, "this transport has no shared memory", __FILE__,
                          __LINE__);
   }
+  /// all_reduce in place without a copy in or out: rank q's vector (count elements) lies at
+  /// vectors + q * stride bytes, memory every rank maps. Each rank reduces its slice straight
+  /// from every vector, in rank order, and writes the result into every vector. Returns when
+  /// every vector holds the whole result and nobody reads or writes them any more.
+  /// Transports without shared memory throw TransportError(protocol).
+  virtual void all_reduce_mapped(char* vectors, size_t stride, size_t count, DataType dtype, ReduceOp op,
+                                 Deadline deadline) {
+    (void)vectors, (void)stride, (void)count, (void)dtype, (void)op, (void)deadline;
+    throw TransportError(TransportError::Kind::protocol, {}, "this transport has no shared memory", __FILE__,
+                         __LINE__);
+  }
 };
 
 class Transport {
