@@ -10,7 +10,8 @@ sweep in turn). Then prints per world size a table of medians over
 the repeats (p50 latency and busbw per size), dtrain/baseline ratios, busbw as a fraction of
 the run's single-core memcpy bandwidth, and a check of the targets; everything goes to --out
 as JSON. The tools:
-  dtrain   `dtrain bench collectives -n N --op allreduce --inplace ... --json FILE`
+  dtrain   `dtrain bench collectives -n N --op allreduce --inplace ... --json FILE` (--shared
+           instead of --inplace with --dtrain-buffers shared)
   openmpi  bench/mpi_allreduce.c, built with mpicc into bench/results/, run by mpirun over
            shared memory (pml ob1, btl self,vader); with --mpi-settings best (default) it runs two
            variants (busy-poll/yield, or two single-copy mechanisms when oversubscribed) and keeps
@@ -182,9 +183,11 @@ def tool_cmd(a, tool, n, json_path, variant=None, span=None):
     sweep = ["--min-bytes", str(lo), "--max-bytes", str(hi), "--iters", str(a.iters),
              "--warmup", str(a.warmup), "--check", "--json", json_path]
     if tool == "dtrain":
-        # in place, like MPI_IN_PLACE in mpi_allreduce.c and torch's all_reduce
+        # in place, like MPI_IN_PLACE in mpi_allreduce.c and torch's all_reduce; --dtrain-buffers
+        # shared: each rank's vector in memory every rank maps (all_reduce_shared, no staging)
+        where = ["--shared"] if a.dtrain_buffers == "shared" else ["--inplace"]
         return [a.dtrain, "bench", "collectives", "-n", str(n), "--op", "allreduce", "--dtype", "f32",
-                "--algo", a.algo, "--inplace"] + sweep
+                "--algo", a.algo] + where + sweep
     if tool == "openmpi":
         mca = dict(mpi_mca(a))
         mca.update(variant or {})
@@ -377,6 +380,9 @@ def print_world(a, n, runs, agg):
     mc = ", ".join(f"{t} {fmt(agg[t]['memcpy_GBs'], 2, a.spread)}" for t in tools)
     print(f"all_reduce f32 sum, world {n}: medians over {max((agg[t]['n'] for t in tools), default=0)} repeat(s), "
           f"iters {a.iters}, warmup {a.warmup}; memcpy GB/s: {mc}")
+    if "dtrain" in tools:
+        print("dtrain buffers: " + ("shared (all_reduce_shared on allocate_shared memory)"
+                                    if a.dtrain_buffers == "shared" else "plain (the process's own memory)"))
     # busbw as a fraction of memcpy: dtrain's when it ran (the others' are in the JSON), else all
     frac_tools = ["dtrain"] if "dtrain" in tools else tools
     header = ["size"]
@@ -491,6 +497,10 @@ def main():
     p.add_argument("--tools", default="dtrain,openmpi,gloo")
     p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "release", "dtrain"))
     p.add_argument("--algo", default="auto", help="dtrain --algo")
+    p.add_argument("--dtrain-buffers", choices=["plain", "shared"], default="plain",
+                   help="plain: dtrain's all_reduce on the process's own memory, as the others; shared: "
+                   "all_reduce_shared on Group::allocate_shared memory (how DDP's buckets can live; no "
+                   "staging copies)")
     p.add_argument("--python", default="/usr/bin/python3", help="interpreter with PyTorch (gloo)")
     p.add_argument("--mpicc", default="mpicc")
     p.add_argument("--cc", default="cc", help="C compiler for the core-to-core probe (bench/core_latency.c)")

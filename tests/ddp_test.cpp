@@ -77,6 +77,7 @@ struct RunOptions {
   std::vector<int64_t> optimizer_bytes;
   std::vector<CommVolume> volume;  // per rank, over all steps
   bool shared = false;             // rank 0's DataParallel shares memory
+  bool shared_params = false;      // ... and the parameters in it
 };
 
 std::unique_ptr<optim::Optimizer> make_opt(bool adam, std::vector<Tensor> params) {
@@ -138,6 +139,7 @@ void train(RunOptions& o) {
     o.optimizer_bytes[static_cast<size_t>(r)] = dp.memory(*opt).optimizer_bytes;
     o.volume[static_cast<size_t>(r)] = dp.take_comm_volume();
     if (r == 0) o.shared = dp.shares_memory();
+    if (r == 0) o.shared_params = dp.shares_parameters();
   });
 }
 
@@ -236,9 +238,40 @@ TEST(DataParallel, SharedMemoryZeroOneEqualsTheCopyingPathBitwise) {
       train(shared);
       ASSERT_FALSE(copying.shared);
       ASSERT_TRUE(shared.shared) << "world " << world << ": the one-host ZeRO-1 run did not share memory";
+      ASSERT_TRUE(shared.shared_params) << "world " << world;
       for (int s = 0; s < copying.steps; ++s) {
         ASSERT_EQ(copying.per_step[static_cast<size_t>(s)][0], shared.per_step[static_cast<size_t>(s)][0])
             << "world " << world << ", bucket " << bucket << ", step " << s + 1;
+      }
+    }
+  }
+}
+
+TEST(DataParallel, SharedMemoryZeroZeroEqualsTheCopyingPathBitwise) {
+  // Gradients averaged by all_reduce_shared in the ranks' shared slots, against the copying
+  // all_reduce; with accumulation (the slots keep summing between synchronizations) and SGD.
+  for (int world : {2, 3, 4}) {
+    for (size_t bucket : {size_t{1024}, size_t{1} << 20}) {
+      for (int accumulate : {1, 2}) {
+        RunOptions copying, shared;
+        copying.world = shared.world = world;
+        copying.bucket_bytes = shared.bucket_bytes = bucket;
+        copying.accumulate = shared.accumulate = accumulate;
+        copying.adam = shared.adam = accumulate == 1;
+        copying.share_memory = false;
+        train(copying);
+        train(shared);
+        ASSERT_FALSE(copying.shared);
+        ASSERT_TRUE(shared.shared) << "world " << world << ": the one-host ZeRO-0 run did not share memory";
+        ASSERT_FALSE(shared.shared_params) << "world " << world << ": ZeRO 0 keeps a copy of the parameters per rank";
+        for (int s = 0; s < copying.steps; ++s) {
+          for (int r = 0; r < world; ++r) {
+            ASSERT_EQ(copying.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)],
+                      shared.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)])
+                << "world " << world << ", bucket " << bucket << ", accumulate " << accumulate << ", step " << s + 1
+                << ", rank " << r;
+          }
+        }
       }
     }
   }

@@ -87,13 +87,16 @@ struct DataParallel::Impl {
   CommVolume volume;
   comm::SharedMemory shared;  // valid when the buckets live in shared memory
   size_t shared_stride = 0;   // bytes between two ranks' gradient slots
+  bool shared_values = false;  // ZeRO 1: the parameters' one copy is in `shared` too
 
-  // Puts the buckets' parameters and gradient slots in memory the ranks share (collective):
-  // [values of every bucket][rank 0's gradients][rank 1's]..., each part `stride` bytes. Rank
-  // 0's parameter values become the host's copy; every rank's tensors point at it. Without
-  // room in /dev/shm it leaves `shared` invalid (the copying path).
+  // Puts the buckets' gradient slots (ZeRO 1: and parameters) in memory the ranks share
+  // (collective): [values of every bucket (ZeRO 1)][rank 0's gradients][rank 1's]..., each
+  // part `stride` bytes. ZeRO 1: rank 0's parameter values become the host's copy; every
+  // rank's tensors point at it. Without room in /dev/shm it leaves `shared` invalid (the
+  // copying path).
   void share_buckets() {
     const size_t world = static_cast<size_t>(group.size());
+    const bool values_too = options.zero == 1;
     const size_t align = 64 / sizeof(float);
     // Each bucket's place (in floats) in the values and in every rank's gradient slot: the
     // same offsets, as both hold `padded` floats, 64-byte aligned.
@@ -104,17 +107,22 @@ struct DataParallel::Impl {
       floats += (b.padded + align - 1) / align * align;
     }
     const size_t stride = floats * sizeof(float);
-    const size_t bytes = (1 + world) * stride;
-    // Every rank must take the same path: share only if /dev/shm has room as every rank sees it.
+    const size_t bytes = ((values_too ? 1 : 0) + world) * stride;
+    // Every rank must take the same path: share only if /dev/shm has room as every rank sees it
+    // and every rank wants the same size (a rank with another model copies, and
+    // broadcast_parameters() names the difference).
     struct statvfs fs {};
-    int64_t room = ::statvfs("/dev/shm", &fs) == 0 && static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
-                                                          1.05 * static_cast<double>(bytes) + (64 << 20);
-    group.all_reduce(&room, &room, 1, DataType::i64, ReduceOp::min);
-    if (room == 0) {
+    const int64_t room = ::statvfs("/dev/shm", &fs) == 0 &&
+                         static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
+                             1.05 * static_cast<double>(bytes) + (64 << 20);
+    int64_t agree[3] = {room, static_cast<int64_t>(bytes), -static_cast<int64_t>(bytes)};
+    group.all_reduce(agree, agree, 3, DataType::i64, ReduceOp::min);
+    if (agree[1] != -agree[2]) return;
+    if (agree[0] == 0) {
       if (group.rank() == 0) {
-        DT_LOG_WARN("ZeRO-1: /dev/shm has no room for the {} MiB of parameters and gradients the ranks would share; "
-                    "copying through the collectives instead (make /dev/shm larger, e.g. docker --shm-size)",
-                    bytes >> 20);
+        DT_LOG_WARN("data parallel: /dev/shm has no room for the {} MiB of {} the ranks would share; copying "
+                    "through the collectives instead (make /dev/shm larger, e.g. docker --shm-size)",
+                    bytes >> 20, values_too ? "parameters and gradients" : "gradients");
       }
       return;
     }
@@ -124,11 +132,14 @@ struct DataParallel::Impl {
     const size_t rank = static_cast<size_t>(group.rank());
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       Bucket& b = buckets[bi];
-      b.grad_at = stride + at[bi] * sizeof(float);
-      b.values = std::make_shared<Storage>(shared.data() + at[bi] * sizeof(float), b.padded * sizeof(float), keep);
+      b.grad_at = (values_too ? stride : 0) + at[bi] * sizeof(float);
+      if (values_too) {
+        b.values = std::make_shared<Storage>(shared.data() + at[bi] * sizeof(float), b.padded * sizeof(float), keep);
+      }
       b.grad = std::make_shared<Storage>(shared.data() + b.grad_at + rank * stride, b.padded * sizeof(float), keep);
     }
-    if (rank == 0) {
+    shared_values = values_too;
+    if (values_too && rank == 0) {
       for (Bucket& b : buckets) {
         for (size_t i = 0; i < b.params.size(); ++i) {
           const Tensor& t = params[b.params[i]].second;
@@ -193,7 +204,9 @@ struct DataParallel::Impl {
     const uint64_t bytes = (options.zero == 0 ? 2 * b.count : b.padded) * sizeof(float) * (world - 1) / world;
     volume.wire_bytes += bytes;
     volume.raw_bytes += bytes;
-    if (options.zero == 0) {
+    if (options.zero == 0 && shared.valid()) {
+      b.work = group.all_reduce_shared_async(shared, b.grad_at, shared_stride, b.count, DataType::f32, ReduceOp::avg);
+    } else if (options.zero == 0) {
       b.work = group.all_reduce_async(g, g, b.count, DataType::f32, ReduceOp::avg);
     } else if (shared.valid()) {
       b.work = group.reduce_scatter_shared_async(shared, b.grad_at, shared_stride, b.piece_grad->data, piece_of(b),
@@ -258,7 +271,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   close();
   const Compression compression = parse_compression(options.compress);
   d.codec = compression.codec;
-  if (options.zero == 1 && options.share_memory && world > 1 && d.codec == comm::Codec::none &&
+  if (options.zero <= 1 && options.share_memory && world > 1 && d.codec == comm::Codec::none &&
       compression.powersgd_rank == 0 && d.group.can_share_memory()) {
     d.share_buckets();
   }
@@ -297,7 +310,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
       d.params[k].second.set_grad_home(view_of(d.buckets[bi].grad, offset, d.params[k].second.shape()));
     }
   }
-  if (d.shared.valid()) d.group.barrier();  // rank 0's values are in place before anyone reads them
+  if (d.shared_values) d.group.barrier();  // rank 0's values are in place before anyone reads them
   if (compression.powersgd_rank > 0) {
     DT_CHECK(options.zero == 0, "ddp", "--compress {} needs --zero 0 (it exchanges whole low-rank gradients)",
              options.compress);
@@ -355,7 +368,7 @@ void DataParallel::broadcast_parameters() {
              "shapes); every rank must build the same model (same --model, --hidden, --layers, --width ...)",
              r, o[1], o[0], all[1], all[0]);
   }
-  if (!d.shared.valid()) {  // shared: every rank's tensors are rank 0's values already
+  if (!d.shared_values) {  // shared values: every rank's tensors are rank 0's values already
     for (auto& [name, t] : d.params) d.group.broadcast(t.data(), static_cast<size_t>(t.numel()), DataType::f32, 0);
   }
   uint64_t h = fnv1a("", 0);
@@ -508,6 +521,8 @@ bool DataParallel::sharded() const { return impl_->options.zero > 0; }
 
 bool DataParallel::shares_memory() const { return impl_->shared.valid(); }
 
+bool DataParallel::shares_parameters() const { return impl_->shared_values; }
+
 std::vector<Tensor> DataParallel::optimizer_params() const {
   std::vector<Tensor> out;
   if (impl_->options.zero == 0) {
@@ -521,7 +536,7 @@ std::vector<Tensor> DataParallel::optimizer_params() const {
 void DataParallel::gather_parameters() {
   Impl& d = *impl_;
   if (d.options.zero == 0) return;
-  if (d.shared.valid()) {  // every rank updated its piece of the one copy: wait until all did
+  if (d.shared_values) {  // every rank updated its piece of the one copy: wait until all did
     d.group.barrier();
     return;
   }
@@ -596,7 +611,7 @@ void DataParallel::zero_grad() {
 MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
   MemoryReport m;
   for (const auto& [name, t] : impl_->params) m.param_bytes += t.numel() * 4;
-  if (impl_->shared.valid()) m.param_bytes /= impl_->group.size();
+  if (impl_->shared_values) m.param_bytes /= impl_->group.size();
   for (const auto& b : impl_->buckets) {
     if (impl_->options.zero == 2) {
       m.grad_bytes += static_cast<int64_t>(impl_->piece_of(b) * sizeof(float));

@@ -60,7 +60,8 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
        "error feedback) | powersgd:RANK (low rank, error feedback)"},
       {"overlap", &c.overlap, "data parallel: start each bucket's all_reduce during backward (false: after)"},
       {"share-memory", &c.share_memory,
-       "data parallel, --zero 1, one host: one copy of the parameters in shared memory, gradients reduced in place"},
+       "data parallel, one host, --zero 0 or 1: gradients reduced in place in shared memory (no staging copies); "
+       "--zero 1 also keeps one copy of the parameters there"},
       {"pp", &c.pp, "pipeline stages: the model's blocks cut into this many stages, one per process"},
       {"tp", &c.tp, "tensor-parallel ranks per stage (GPT: attention heads and MLP split, Megatron style)"},
       {"micro-batches", &c.micro_batches, "pipeline: micro-batches per step (per accumulation step)"},

@@ -447,7 +447,7 @@ void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, 
   NoGradGuard no_grad;
   // Ranks that share one copy of the parameters (ZeRO-1 on one host): the first writes it, and
   // the others wait for it below instead of writing the same bytes at the same time.
-  const bool shared = ddp != nullptr && ddp->shares_memory();
+  const bool shared = ddp != nullptr && ddp->shares_parameters();
   for (auto& [name, p] : named) {
     auto it = params.find(name);
     DT_CHECK(it != params.end() && it->second.shape() == p.shape(), "train",
