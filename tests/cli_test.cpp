@@ -426,7 +426,10 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
     // The report shows each surviving rank's flight record: the operation it was in.
     if (cases[i].restarts && cases[i].fault.starts_with("stop")) {
       EXPECT_NE(r.output.find("flight records ("), std::string::npos) << cases[i].name << ": " << r.output;
-      EXPECT_NE(r.output.find("failed all_reduce"), std::string::npos) << cases[i].name << ": " << r.output;
+      // ZeRO 0 on one host averages its buckets with all_reduce_shared; elsewhere all_reduce.
+      EXPECT_TRUE(r.output.find("failed all_reduce_shared #") != std::string::npos ||
+                  r.output.find("failed all_reduce #") != std::string::npos)
+          << cases[i].name << ": " << r.output;
     }
     EXPECT_EQ(digest("f" + std::to_string(i) + ".jsonl"), digest("ref.jsonl")) << cases[i].name;
   }

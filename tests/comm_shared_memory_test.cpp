@@ -263,6 +263,12 @@ TEST(SharedMemory, AllReduceMismatchesAndMisuseAreNamed) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
     }
+    try {  // an offset that wraps the end past zero, which a plain sum would let through
+      (void)g.all_reduce_shared_async(m, SIZE_MAX - 2, 64, 1, DataType::f32, ReduceOp::sum);
+      ADD_FAILURE() << "an offset near SIZE_MAX was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
+    }
     try {
       (void)g.all_reduce_shared_async(SharedMemory(), 0, 64, 1, DataType::f32, ReduceOp::sum);
       ADD_FAILURE() << "an empty SharedMemory was accepted";

@@ -250,10 +250,18 @@ TEST(DataParallel, SharedMemoryZeroOneEqualsTheCopyingPathBitwise) {
 TEST(DataParallel, SharedMemoryZeroZeroEqualsTheCopyingPathBitwise) {
   // Gradients averaged by all_reduce_shared in the ranks' shared slots, against the copying
   // all_reduce; with accumulation (the slots keep summing between synchronizations) and SGD.
+  // The small model's buckets stay under 16 KiB (the copying all_reduce on the slots); the
+  // wider one's 1 MiB bucket takes all_reduce_shared with several 32 KiB blocks per rank.
   for (int world : {2, 3, 4}) {
-    for (size_t bucket : {size_t{1024}, size_t{1} << 20}) {
+    for (size_t bucket_or_wide : {size_t{1024}, size_t{1} << 20, size_t{0}}) {
+      const bool wide = bucket_or_wide == 0;
+      const size_t bucket = wide ? size_t{1} << 20 : bucket_or_wide;
       for (int accumulate : {1, 2}) {
         RunOptions copying, shared;
+        if (wide) {
+          copying.hidden = shared.hidden = {512, 256};
+          copying.steps = shared.steps = 3;
+        }
         copying.world = shared.world = world;
         copying.bucket_bytes = shared.bucket_bytes = bucket;
         copying.accumulate = shared.accumulate = accumulate;
@@ -268,7 +276,8 @@ TEST(DataParallel, SharedMemoryZeroZeroEqualsTheCopyingPathBitwise) {
           for (int r = 0; r < world; ++r) {
             ASSERT_EQ(copying.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)],
                       shared.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)])
-                << "world " << world << ", bucket " << bucket << ", accumulate " << accumulate << ", step " << s + 1
+                << "world " << world << ", bucket " << bucket << (wide ? " (wide)" : "") << ", accumulate " << accumulate
+                << ", step " << s + 1
                 << ", rank " << r;
           }
         }

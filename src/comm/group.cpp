@@ -1181,8 +1181,11 @@ const char* shared_vectors(const SharedMemory& memory, bool can_share, const std
                            int size) {
   DT_CHECK(memory.valid() && can_share, "comm", "group '{}': {} needs memory from allocate_shared on a shm group ({})",
            group, op, kind);
-  DT_CHECK(offset + static_cast<size_t>(size - 1) * stride + bytes <= memory.bytes() && (size == 1 || stride >= bytes),
-           "comm", "{}: vectors of {} bytes at offset {} every {} bytes do not fit {} bytes of shared memory without "
+  size_t span = 0, end = 0;
+  const bool wraps = __builtin_mul_overflow(static_cast<size_t>(size - 1), stride, &span) ||
+                     __builtin_add_overflow(span, offset, &end) || __builtin_add_overflow(end, bytes, &end);
+  DT_CHECK(!wraps && end <= memory.bytes() && (size == 1 || stride >= bytes), "comm",
+           "{}: vectors of {} bytes at offset {} every {} bytes do not fit {} bytes of shared memory without "
            "overlapping", op, bytes, offset, stride, memory.bytes());
   return memory.data() + offset;
 }
@@ -1203,23 +1206,31 @@ Work Group::reduce_scatter_shared_async(const SharedMemory& memory, size_t offse
       input);
 }
 
-Work Group::all_reduce_shared_async(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
-                                    DataType dtype, ReduceOp op) {
+Work Group::all_reduce_shared_impl(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
+                                   DataType dtype, ReduceOp op, bool blocking) {
   Impl& g = impl("all_reduce_shared");
-  const size_t bytes = count * size_of(dtype);
+  size_t bytes = 0;
+  DT_CHECK(!__builtin_mul_overflow(count, size_of(dtype), &bytes), "comm", "all_reduce_shared: {} elements of {} overflow",
+           count, name_of(dtype));
   char* vectors = const_cast<char*>(shared_vectors(memory, can_share_memory(), g.name, g.kind, "all_reduce_shared",
                                                    offset, stride, bytes, g.size));
   return g.run_direct(
-      "all_reduce_shared", false,
+      "all_reduce_shared", blocking,
       [=, keep = memory.keep_alive()](DirectCollectives& d, Deadline deadline) {
         d.all_reduce_mapped(vectors, stride, count, dtype, op, deadline);
       },
       bytes);
 }
 
+Work Group::all_reduce_shared_async(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
+                                    DataType dtype, ReduceOp op) {
+  return all_reduce_shared_impl(memory, offset, stride, count, dtype, op, false);
+}
+
 void Group::all_reduce_shared(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
                               ReduceOp op) {
-  all_reduce_shared_async(memory, offset, stride, count, dtype, op).wait();
+  // Blocking: runs on the caller's thread when nothing is queued, like the blocking all_reduce.
+  all_reduce_shared_impl(memory, offset, stride, count, dtype, op, true).wait();
 }
 
 void Group::barrier() {

@@ -568,6 +568,9 @@ void Collectives::all_reduce_mapped(char* vectors, size_t stride, size_t count, 
   const size_t block = kPublishBlockBytes / esize;
   const int into = rank_ <= 1 ? rank_ : 0;
   for (size_t b = lo; b < hi; b += block) {
+    // A rank that gave up (timeout, dead peer) aborts the segment: stop writing the others'
+    // vectors within a block instead of finishing the slice.
+    check_abort_();
     const size_t n = std::min(hi, b + block) - b;
     auto at = [&](int q) { return vectors + static_cast<size_t>(q) * stride + b * esize; };
     reduce_in_rank_order(at(into), size_, at, n, dtype, op);

@@ -24,6 +24,11 @@ using comm::ReduceOp;
 
 namespace {
 
+// ZeRO 0 with shared buckets: buckets up to this size still take the copying all_reduce on the
+// rank's slot (one phase, or the lines path up to 192 B) instead of all_reduce_shared's two
+// full phases; the result is the same bits.
+constexpr size_t kCopyingBucketBytes = size_t{16} << 10;
+
 // A 1-D or shaped f32 view into `storage` at element `offset` (not part of any graph).
 Tensor view_of(const std::shared_ptr<Storage>& storage, size_t offset, const Shape& shape) {
   auto impl = std::make_shared<TensorImpl>();
@@ -204,7 +209,7 @@ struct DataParallel::Impl {
     const uint64_t bytes = (options.zero == 0 ? 2 * b.count : b.padded) * sizeof(float) * (world - 1) / world;
     volume.wire_bytes += bytes;
     volume.raw_bytes += bytes;
-    if (options.zero == 0 && shared.valid()) {
+    if (options.zero == 0 && shared.valid() && b.count * sizeof(float) > kCopyingBucketBytes) {
       b.work = group.all_reduce_shared_async(shared, b.grad_at, shared_stride, b.count, DataType::f32, ReduceOp::avg);
     } else if (options.zero == 0) {
       b.work = group.all_reduce_async(g, g, b.count, DataType::f32, ReduceOp::avg);
@@ -271,8 +276,11 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   close();
   const Compression compression = parse_compression(options.compress);
   d.codec = compression.codec;
-  if (options.zero <= 1 && options.share_memory && world > 1 && d.codec == comm::Codec::none &&
-      compression.powersgd_rank == 0 && d.group.can_share_memory()) {
+  // ZeRO 0 shares only where the group runs its direct collectives: a plan chosen with
+  // DTRAIN_ALGO (ring, hd, ...) is what the user asked for, and the shared all_reduce is not it.
+  const bool direct = d.group.can_share_memory() && d.group.all_reduce_algorithm(0) == comm::Algorithm::direct;
+  if (((options.zero == 0 && direct) || options.zero == 1) && options.share_memory && world > 1 &&
+      d.codec == comm::Codec::none && compression.powersgd_rank == 0 && d.group.can_share_memory()) {
     d.share_buckets();
   }
   for (auto& b : d.buckets) {

@@ -159,7 +159,7 @@ struct Case {
     count = blocks ? elements * p : elements;
     const size_t send_elems = op == Op::allgather ? block : count;
     const size_t recv_elems = op == Op::reducescatter ? block : count;
-    recv.assign(std::max<size_t>(1, recv_elems * es), 0);
+    recv.assign(in_shared ? 1 : std::max<size_t>(1, recv_elems * es), 0);  // shared: in place, no recv
     if (in_shared) {
       stride = (std::max<size_t>(1, count * es) + 4095) / 4096 * 4096;  // page-aligned vectors
       shared = group.allocate_shared(stride * p);
@@ -646,6 +646,8 @@ int worker(const CollBenchOptions& o) {
     for (Op op : ops) DT_CHECK(op == Op::allreduce, "bench", "--shared applies to --op allreduce only");
     DT_CHECK(o.compress.empty(), "bench", "--shared and --compress do not go together");
     DT_CHECK(!o.all_placements, "bench", "--shared runs in place; drop --all-placements");
+    DT_CHECK(algos.size() == 1 && algos[0] == Algorithm::automatic, "bench",
+             "--algo {} does not apply to --shared (all_reduce_shared has one algorithm)", o.algo);
   }
   std::vector<bool> placements = {o.inplace || o.shared};
   if (o.all_placements) placements = {false, true};

@@ -257,8 +257,11 @@ class Group {
   /// vector, in rank order (the same bits as all_reduce), and writes it into every vector, so
   /// the data crosses the memory system once instead of through staging copies. The vectors
   /// must be written before the call and stay untouched until its Work completed, which it
-  /// does when every vector holds the result. Ordering, timeout and failure rules are the
-  /// collectives'.
+  /// does when every vector holds the result. Every rank must pass the same offset and stride
+  /// into the same allocation (not checked: the call records compare dtype, count and op).
+  /// Ordering, timeout and failure rules are the collectives', with one difference: after a
+  /// failure the vectors' contents are undefined, and a peer may still be writing them until
+  /// it sees the abort (at most one 32 KiB block later), since other processes write them.
   Work all_reduce_shared_async(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
                                DataType dtype, ReduceOp op);
   void all_reduce_shared(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
@@ -280,6 +283,8 @@ class Group {
  private:
   explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   Impl& impl(const char* op) const;  // throws for an empty group
+  Work all_reduce_shared_impl(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
+                              ReduceOp op, bool blocking);
   std::shared_ptr<Impl> impl_;
 };
 

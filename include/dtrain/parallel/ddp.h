@@ -47,8 +47,10 @@
 // - ZeRO 0: each rank's gradients are its slot there, and each bucket is averaged with
 //   Group::all_reduce_shared: every rank reduces its slice straight from the slots and writes
 //   it into all of them, with no staging copies (3x the copying all_reduce's bandwidth at
-//   4-16 MiB on a 2-vCPU Xeon). A bucket's Work completes only when nobody touches the slots
-//   any more, so the next backward may write them.
+//   4-32 MiB on a 2-vCPU Xeon). A bucket's Work completes only when nobody touches the slots
+//   any more, so the next backward may write them. Buckets up to 16 KiB take the copying
+//   all_reduce on the slot (fewer phases), and a group told to use a plan (DTRAIN_ALGO) does
+//   not share.
 // - ZeRO 1: the parameters are ONE copy for the host, which every rank's tensors point at;
 //   each rank writes its gradients into its own slot, and the reduce_scatter reads the peers'
 //   slots in place (no copy in). The optimizer updates this rank's piece of the shared copy
@@ -98,7 +100,7 @@ struct CommVolume {
 
 /// Bytes this rank holds for the model's training state.
 struct MemoryReport {
-  int64_t param_bytes = 0;      // with shared memory: this rank's share of the host's one copy
+  int64_t param_bytes = 0;      // with shared parameters (ZeRO 1): this rank's share of the host's one copy
   int64_t grad_bytes = 0;       // persistent gradient buffers (buckets or ZeRO pieces)
   int64_t optimizer_bytes = 0;  // the optimizer's state tensors
 };

@@ -43,7 +43,7 @@ struct TrainConfig {
   int zero = 0;               // ZeRO stage: 0, 1 (optimizer state sharded), 2 (also gradients)
   double bucket_mb = 25.0;    // gradient bucket size, MiB
   bool overlap = true;        // start bucket all_reduces during backward
-  bool share_memory = true;   // --zero 1 on one host: parameters and gradient slots in shared memory
+  bool share_memory = true;   // --zero 0/1 on one host: gradient slots (--zero 1: and parameters) in shared memory
   std::string compress = "none";  // gradient compression: none | bf16 | fp16 | int8 | int4 | powersgd:RANK
   int pp = 1;                 // pipeline stages
   int tp = 1;                 // tensor-parallel ranks per stage
