@@ -1176,7 +1176,7 @@ namespace {
 
 // The byte at which rank 0's vector of `bytes` starts in `memory`, after checking that every
 // rank's vector, `stride` bytes apart from `offset`, fits without overlapping.
-const char* shared_vectors(const SharedMemory& memory, bool can_share, const std::string& group,
+char* shared_vectors(const SharedMemory& memory, bool can_share, const std::string& group,
                            const std::string& kind, const char* op, size_t offset, size_t stride, size_t bytes,
                            int size) {
   DT_CHECK(memory.valid() && can_share, "comm", "group '{}': {} needs memory from allocate_shared on a shm group ({})",
@@ -1212,8 +1212,8 @@ Work Group::all_reduce_shared_impl(const SharedMemory& memory, size_t offset, si
   size_t bytes = 0;
   DT_CHECK(!__builtin_mul_overflow(count, size_of(dtype), &bytes), "comm", "all_reduce_shared: {} elements of {} overflow",
            count, name_of(dtype));
-  char* vectors = const_cast<char*>(shared_vectors(memory, can_share_memory(), g.name, g.kind, "all_reduce_shared",
-                                                   offset, stride, bytes, g.size));
+  char* vectors = shared_vectors(memory, can_share_memory(), g.name, g.kind, "all_reduce_shared", offset, stride,
+                                 bytes, g.size);
   return g.run_direct(
       "all_reduce_shared", blocking,
       [=, keep = memory.keep_alive()](DirectCollectives& d, Deadline deadline) {

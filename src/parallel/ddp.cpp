@@ -92,7 +92,8 @@ struct DataParallel::Impl {
   CommVolume volume;
   comm::SharedMemory shared;  // valid when the buckets live in shared memory
   size_t shared_stride = 0;   // bytes between two ranks' gradient slots
-  bool shared_values = false;  // ZeRO 1: the parameters' one copy is in `shared` too
+  // ZeRO 1 with shared buckets: the parameters' one copy is in `shared` too.
+  bool shared_values() const { return shared.valid() && options.zero == 1; }
 
   // Puts the buckets' gradient slots (ZeRO 1: and parameters) in memory the ranks share
   // (collective): [values of every bucket (ZeRO 1)][rank 0's gradients][rank 1's]..., each
@@ -143,7 +144,6 @@ struct DataParallel::Impl {
       }
       b.grad = std::make_shared<Storage>(shared.data() + b.grad_at + rank * stride, b.padded * sizeof(float), keep);
     }
-    shared_values = values_too;
     if (values_too && rank == 0) {
       for (Bucket& b : buckets) {
         for (size_t i = 0; i < b.params.size(); ++i) {
@@ -278,7 +278,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   d.codec = compression.codec;
   // ZeRO 0 shares only where the group runs its direct collectives: a plan chosen with
   // DTRAIN_ALGO (ring, hd, ...) is what the user asked for, and the shared all_reduce is not it.
-  const bool direct = d.group.can_share_memory() && d.group.all_reduce_algorithm(0) == comm::Algorithm::direct;
+  const bool direct = d.group.all_reduce_algorithm(0) == comm::Algorithm::direct;
   if (((options.zero == 0 && direct) || options.zero == 1) && options.share_memory && world > 1 &&
       d.codec == comm::Codec::none && compression.powersgd_rank == 0 && d.group.can_share_memory()) {
     d.share_buckets();
@@ -318,7 +318,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
       d.params[k].second.set_grad_home(view_of(d.buckets[bi].grad, offset, d.params[k].second.shape()));
     }
   }
-  if (d.shared_values) d.group.barrier();  // rank 0's values are in place before anyone reads them
+  if (d.shared_values()) d.group.barrier();  // rank 0's values are in place before anyone reads them
   if (compression.powersgd_rank > 0) {
     DT_CHECK(options.zero == 0, "ddp", "--compress {} needs --zero 0 (it exchanges whole low-rank gradients)",
              options.compress);
@@ -376,7 +376,7 @@ void DataParallel::broadcast_parameters() {
              "shapes); every rank must build the same model (same --model, --hidden, --layers, --width ...)",
              r, o[1], o[0], all[1], all[0]);
   }
-  if (!d.shared_values) {  // shared values: every rank's tensors are rank 0's values already
+  if (!d.shared_values()) {  // shared values: every rank's tensors are rank 0's values already
     for (auto& [name, t] : d.params) d.group.broadcast(t.data(), static_cast<size_t>(t.numel()), DataType::f32, 0);
   }
   uint64_t h = fnv1a("", 0);
@@ -529,7 +529,7 @@ bool DataParallel::sharded() const { return impl_->options.zero > 0; }
 
 bool DataParallel::shares_memory() const { return impl_->shared.valid(); }
 
-bool DataParallel::shares_parameters() const { return impl_->shared_values; }
+bool DataParallel::shares_parameters() const { return impl_->shared_values(); }
 
 std::vector<Tensor> DataParallel::optimizer_params() const {
   std::vector<Tensor> out;
@@ -544,7 +544,7 @@ std::vector<Tensor> DataParallel::optimizer_params() const {
 void DataParallel::gather_parameters() {
   Impl& d = *impl_;
   if (d.options.zero == 0) return;
-  if (d.shared_values) {  // every rank updated its piece of the one copy: wait until all did
+  if (d.shared_values()) {  // every rank updated its piece of the one copy: wait until all did
     d.group.barrier();
     return;
   }
@@ -619,7 +619,7 @@ void DataParallel::zero_grad() {
 MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
   MemoryReport m;
   for (const auto& [name, t] : impl_->params) m.param_bytes += t.numel() * 4;
-  if (impl_->shared_values) m.param_bytes /= impl_->group.size();
+  if (impl_->shared_values()) m.param_bytes /= impl_->group.size();
   for (const auto& b : impl_->buckets) {
     if (impl_->options.zero == 2) {
       m.grad_bytes += static_cast<int64_t>(impl_->piece_of(b) * sizeof(float));
