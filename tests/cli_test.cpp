@@ -20,102 +20,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_util.h"
 #include "dtrain/launch/launcher.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct ProcessResult {
-  int code;
-  std::string output;  // stdout and stderr
-};
-
-// Runs a shell command line; its stdout (add 2>&1 for stderr) and exit code.
-ProcessResult run_shell(const std::string& cmd) {
-  FILE* p = popen(cmd.c_str(), "r");
-  EXPECT_NE(p, nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (p != nullptr && fgets(buf.data(), buf.size(), p) != nullptr) out += buf.data();
-  const int status = p != nullptr ? pclose(p) : -1;
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-// Runs the dtrain binary with a hard time limit so a hang fails the test instead of CI.
-ProcessResult dtrain(const std::string& args, int limit_s = 240) {
-  return run_shell("timeout -k 5 " + std::to_string(limit_s) + " " + std::string(DTRAIN_BINARY) + " " + args + " 2>&1");
-}
-
-// Starts the dtrain binary in the background, its output going to `log`; returns its pid
-// (a timeout wrapper that passes signals on to it).
-pid_t dtrain_background(const std::string& args, const std::string& log, int limit_s = 240) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const std::string cmd = "exec timeout -k 5 " + std::to_string(limit_s) + " " + std::string(DTRAIN_BINARY) + " " +
-                            args + " >" + log + " 2>&1";
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  return pid;
-}
-
-int wait_code(pid_t pid) {
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-std::string slurp(const std::string& file) {
-  std::ifstream in(file);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// Polls `file` until it contains `text` (true) or `limit` passed (false).
-bool wait_for_text(const std::string& file, const std::string& text, std::chrono::seconds limit) {
-  const auto until = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < until) {
-    if (slurp(file).find(text) != std::string::npos) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return false;
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-class Cli : public ::testing::Test {
+class Cli : public CliTest {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/dtrain-cli-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    // Failed jobs keep their flight records: here, not in /tmp.
-    ::setenv("DTRAIN_FLIGHT_DIR", dir_.c_str(), 1);
-  }
-  void TearDown() override {
-    ::unsetenv("DTRAIN_FLIGHT_DIR");
-    fs::remove_all(dir_);
-  }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  void write(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
-  nlohmann::json final_record(const std::string& metrics) const {
-    std::ifstream in(path(metrics));
-    std::string line, last;
-    while (std::getline(in, line)) last = line;
-    return nlohmann::json::parse(last);
-  }
   // A small English text corpus for GPT tests.
   std::string corpus() const {
     std::string text;
@@ -123,7 +36,6 @@ class Cli : public ::testing::Test {
     write("corpus.txt", text);
     return path("corpus.txt");
   }
-  fs::path dir_;
 };
 
 const char* kSmallMlp = "train --model mlp --hidden 64 --batch-size 32 --steps 60 --progress=false --log-every 20";
@@ -351,7 +263,7 @@ TEST_F(Cli, ModelParallelMisconfigurationIsRefusedBeforeAnyWork) {
       {"stages not covering the model", gpt + " --pp 2 --stages 0-1,2-2", "the model has 4 blocks"},
       {"world does not match the layout",
        "launch -n 3 -- " + std::string(DTRAIN_BINARY) + " " + gpt + " --pp 2 --dp 2",
-       "= 4 ranks but the launcher started 3"},
+       "the launcher started 3 workers (WORLD_SIZE=3) but --dp 2 x --pp 2 x --tp 1 = 4"},
       {"model over the memory limit", gpt + " --memory-limit 100000", "but --memory-limit is"},
   };
   for (const auto& c : cases) {
@@ -713,7 +625,7 @@ TEST_F(Cli, MpirunTrainsLikeTheLauncher) {
                                       " train --backend mpi --model mlp --hidden 16 --batch-size 12 --steps 2 --dp 4 "
                                       "--progress=false 2>&1");
   EXPECT_NE(bad.code, 0) << bad.output;
-  EXPECT_NE(bad.output.find("but the MPI job started 3 (mpirun -np)"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("the MPI job (mpirun -np, srun -n) started 3 workers (OMPI_COMM_WORLD_SIZE=3) but --dp 4"), std::string::npos) << bad.output;
   // A rank killed in the gradients' all_reduce ends the job soon (mpirun stops the others),
   // and a stopped one within the heartbeat timeout (the others end it with MPI_Abort).
   for (const std::string fault : {"kill:rank=1:step=3:phase=allreduce", "stop:rank=2:step=3"}) {

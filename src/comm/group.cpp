@@ -100,6 +100,7 @@ Clock::time_point Work::finish_time() const {
 void Work::wait(Duration timeout) {
   DT_CHECK(state_ != nullptr, "comm", "wait() on an empty Work");
   if (timeout == Duration::zero()) timeout = state_->default_timeout;
+  const health::WaitScope waiting;  // not a stall of this process's work (progress.h)
   std::unique_lock<std::mutex> lock(state_->mu);
   if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) {
     // Give up: break the group so the operation stops touching the caller's buffers, then
@@ -142,6 +143,9 @@ struct Group::Impl {
   std::shared_ptr<health::FlightRecorder> recorder;
   std::unique_ptr<health::Heartbeat> heartbeat;
   std::shared_ptr<health::Registration> registration;
+  // A world started by dtrain launch: the key that tells the launcher this rank left the job
+  // cleanly (see from_env); empty otherwise.
+  std::string left_key;
 
   // A group spanning `hosts` hosts with `local_size` >= 2 ranks on each (see group.h): this
   // rank is `local_rank` on host `host` (hosts numbered in order of their lowest rank). The
@@ -161,6 +165,12 @@ struct Group::Impl {
   ~Impl() {
     registration.reset();  // no abort_all() reaches a group being torn down
     heartbeat.reset();
+    if (!left_key.empty() && !broken) {
+      try {
+        store->set(left_key, std::to_string(::getpid()));
+      } catch (const std::exception&) {  // the launcher then reports this rank's exit as early
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(mu);
       stopping = true;
@@ -336,7 +346,12 @@ struct Group::Impl {
       }
     }
     if (run_now) {
-      task();
+      if (blocking) {
+        const health::WaitScope waiting;
+        task();
+      } else {
+        task();
+      }
       for (int pass = 0; !blocking && pass < 8 && !inflight.empty(); ++pass) poll_inflight();
       bool wake = false;
       {
@@ -418,13 +433,17 @@ struct Group::Impl {
     // the record's start is at most that early, the deadline is pushed one tick later so
     // that it never comes early.
     const auto [start, tick] = coarse_now();
-    std::exception_ptr err = guarded(
+    std::exception_ptr err;
+    {
+      const health::WaitScope waiting;
+      err = guarded(
         op, seq,
         [&](uint64_t, Deadline deadline) {
           body(deadline);
           return true;
         },
         nullptr, start + tick);
+    }
     recorder->completed(op, seq, bytes, peer, start, err);
     if (err) health::dump_on_first_failure();
     bool wake = false;
@@ -794,8 +813,13 @@ Group Group::from_env(GroupOptions options) {
   // An elastic job meets in rounds at one store: each round's world has a name of its own.
   const char* run = std::getenv("DTRAIN_RUN_ID");
   const std::string name = run != nullptr && *run != '\0' ? fmt::format("world@{}", run) : "world";
+  // Under dtrain launch, the launcher tells a rank that ends before the job does (exit code 0
+  // without leaving its world, or before joining it while others wait) from one that finished.
+  const bool launched = hosted != nullptr && std::string(hosted) == "1";
+  if (launched) store->set(fmt::format("{}/joined/{}", name, rank), std::to_string(::getpid()));
   Group g = create(store, rank, size, options, name);
   g.impl_->keep_alive = server;
+  if (launched) g.impl_->left_key = fmt::format("{}/left/{}", name, rank);
   return g;
 }
 

@@ -2,12 +2,15 @@
 #include "health.h"
 
 #include <fmt/format.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <list>
 
+#include "dtrain/core/file.h"
+#include "dtrain/comm/progress.h"
 #include "dtrain/core/log.h"
 
 namespace dtrain::comm {
@@ -185,6 +188,13 @@ void Heartbeat::run() {
       store_->set(mine, std::to_string(++beat));
       if (auto f = store_->try_get(failed); f && !f->empty()) {
         reason = *f;
+      } else if (const std::string stall = progress_stall(timeout_); !stall.empty()) {
+        // This thread beats, but the work it stands for does not move: this rank is the hang.
+        reason = fmt::format(
+            "heartbeat: rank {} made no progress (heartbeat timeout {} ms): its main work is stuck in {}, outside "
+            "any collective",
+            rank_, timeout_.count(), stall);
+        report(reason);
       } else if (watched != rank_) {
         const std::string now_seen = store_->try_get(theirs).value_or("");
         const auto now = Clock::now();
@@ -214,6 +224,54 @@ void Heartbeat::run() {
     cv_.wait_for(lock, interval_, [&] { return stop_; });
   }
 }
+
+// ---------------------------------------------------------------------------------- progress
+
+namespace {
+// The last note: its time (steady clock, ns), what and step; `watching` once noted and not paused.
+std::atomic<int64_t> progress_at{0};
+std::atomic<const char*> progress_what{nullptr};
+std::atomic<int64_t> progress_step{-1};
+std::atomic<bool> watching{false};
+std::atomic<int> waiting{0};  // WaitScopes alive in this process
+
+int64_t coarse_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+}  // namespace
+
+WaitScope::WaitScope() { waiting.fetch_add(1, std::memory_order_relaxed); }
+
+WaitScope::~WaitScope() {
+  // Leaving a wait is progress too: the time spent waiting does not count against the work.
+  if (watching.load(std::memory_order_relaxed)) progress_at.store(coarse_ns(), std::memory_order_relaxed);
+  waiting.fetch_sub(1, std::memory_order_relaxed);
+}
+
+std::string progress_stall(Duration timeout) {
+  if (!watching.load(std::memory_order_acquire) || waiting.load(std::memory_order_acquire) > 0) return {};
+  const int64_t age_ms = (coarse_ns() - progress_at.load(std::memory_order_relaxed)) / 1000000;
+  if (age_ms < timeout.count()) return {};
+  const char* what = progress_what.load(std::memory_order_relaxed);
+  const int64_t step = progress_step.load(std::memory_order_relaxed);
+  return fmt::format("'{}'{} for {} ms", what != nullptr ? what : "?", step >= 0 ? fmt::format(" at step {}", step) : "",
+                     age_ms);
+}
+
+}  // namespace health
+
+void note_progress(const char* what, int64_t step) {
+  health::progress_what.store(what, std::memory_order_relaxed);
+  health::progress_step.store(step, std::memory_order_relaxed);
+  health::progress_at.store(health::coarse_ns(), std::memory_order_relaxed);
+  health::watching.store(true, std::memory_order_release);
+}
+
+void pause_progress() { health::watching.store(false, std::memory_order_release); }
+
+namespace health {
 
 // ---------------------------------------------------------------------------------- registry
 
@@ -271,12 +329,11 @@ void dump_on_first_failure() {
   }
   body += "]}\n";
   const std::string path = fmt::format("{}/rank-{}.json", dir, who);
-  const std::string tmp = path + ".tmp";
-  if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-    const bool ok = std::fwrite(body.data(), 1, body.size(), f) == body.size();
-    if (std::fclose(f) == 0 && ok && std::rename(tmp.c_str(), path.c_str()) == 0) return;
+  try {
+    write_file_atomic(path, body, "comm");
+  } catch (const std::exception& e) {
+    DT_LOG_WARN("cannot write the flight record: {}", e.what());
   }
-  DT_LOG_WARN("cannot write the flight record to {}", path);
 }
 
 std::string json_escape(std::string_view text) {

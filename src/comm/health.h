@@ -98,6 +98,18 @@ void abort_all(const std::string& reason);
 /// the pid) the first time it is called in this process; does nothing without the variable.
 void dump_on_first_failure();
 
+/// The progress watch (dtrain/comm/progress.h). While a WaitScope lives, this process waits
+/// inside a communication call, which is not a stall of its main work.
+struct WaitScope {
+  WaitScope();
+  ~WaitScope();
+  WaitScope(const WaitScope&) = delete;
+  WaitScope& operator=(const WaitScope&) = delete;
+};
+/// Empty when the main work is fine (never noted, paused, waiting in a call, or noted within
+/// `timeout`); otherwise what it last noted and how long ago, as "<what> at step S for N ms".
+std::string progress_stall(Duration timeout);
+
 /// `text` as the inside of a JSON string.
 std::string json_escape(std::string_view text);
 

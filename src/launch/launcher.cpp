@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "dtrain/comm/store.h"
@@ -100,12 +102,19 @@ struct Worker {
   int out_fd = -1;  // stdout pipe
   int err_fd = -1;  // stderr pipe
   std::string out_buf, err_buf;
+  bool out_split = false, err_split = false;  // a long line was split (said once per stream)
   bool running = false;
+  bool exited_before_joining = false;  // exited 0 without joining the world: failed once others join
   WorkerExit exit;
 };
 
-// Writes complete lines of `buf` to `fd`, each prefixed; keeps the unfinished tail.
-void flush_lines(std::string& buf, int fd, const std::string& prefix, bool final) {
+// The longest line kept whole: a longer one (a worker printing without newlines) is written in
+// pieces of this size, so the launcher's memory stays bounded whatever the workers print.
+constexpr size_t kMaxLine = 64 * 1024;
+
+// Writes complete lines of `buf` to `fd`, each prefixed; keeps the unfinished tail, up to
+// kMaxLine bytes (then written as a piece of its own; `*split` set the first time).
+void flush_lines(std::string& buf, int fd, const std::string& prefix, bool final, bool* split = nullptr) {
   size_t start = 0;
   while (true) {
     const size_t nl = buf.find('\n', start);
@@ -115,6 +124,21 @@ void flush_lines(std::string& buf, int fd, const std::string& prefix, bool final
     start = nl + 1;
   }
   buf.erase(0, start);
+  if (!final && buf.size() >= kMaxLine) {
+    size_t at = 0;
+    [[maybe_unused]] ssize_t n = 0;
+    for (; buf.size() - at >= kMaxLine; at += kMaxLine) {
+      const std::string line = prefix + buf.substr(at, kMaxLine) + "\n";
+      n = ::write(fd, line.data(), line.size());
+    }
+    buf.erase(0, at);
+    if (split != nullptr && !*split) {
+      *split = true;
+      const std::string note = fmt::format("{}(dtrain launch: this output has lines longer than {} bytes; they are split)\n",
+                                           prefix, kMaxLine);
+      n = ::write(fd, note.data(), note.size());
+    }
+  }
   if (final && !buf.empty()) {
     const std::string line = prefix + buf + "\n";
     [[maybe_unused]] ssize_t n = ::write(fd, line.data(), line.size());
@@ -127,6 +151,7 @@ std::string describe(const WorkerExit& w) {
     return fmt::format("rank {} (pid {}) was killed by signal {} ({}){}", w.rank, w.pid, w.signal,
                        ::strsignal(w.signal), w.stopped_by_launcher ? " after the launcher stopped it" : "");
   }
+  if (w.early) return fmt::format("rank {} (pid {}) exited with code 0 {}", w.rank, w.pid, w.why);
   return fmt::format("rank {} (pid {}) exited with code {}{}", w.rank, w.pid, w.exit_code,
                      w.stopped_by_launcher ? " after the launcher stopped it" : "");
 }
@@ -203,13 +228,17 @@ std::string flight_summary(const std::vector<FlightRecord>& records) {
 }
 
 // A rank that the heartbeats found silent (stopped, hung), named in a worker's flight record;
-// -1 if none. That rank is the failure, not the worker that noticed and exited first.
-int silent_rank(const std::vector<FlightRecord>& records) {
-  static const std::regex silent("rank (\\d+) sent no heartbeat");
+// -1 if none (*stalled: it made no progress rather than went silent). That rank is the
+// failure, not the worker that noticed and exited first.
+int silent_rank(const std::vector<FlightRecord>& records, bool* stalled) {
+  static const std::regex silent("rank (\\d+) (sent no heartbeat|made no progress)");
   int found = -1;
   for (const FlightRecord& record : records) {
     std::smatch m;
-    if (std::regex_search(record.text, m, silent)) found = std::stoi(m[1].str());
+    if (std::regex_search(record.text, m, silent)) {
+      found = std::stoi(m[1].str());
+      *stalled = m[2].str() == "made no progress";
+    }
   }
   return found;
 }
@@ -319,12 +348,41 @@ LaunchResult run_launch(const LaunchOptions& o) {
 
   const int world = o.nnodes * o.nproc_per_node;
   std::vector<Worker> workers(static_cast<size_t>(o.nproc_per_node));
+  const pid_t launcher_pid = ::getpid();
+  // Starting a worker can fail (no file descriptors for its pipes, no processes left): the
+  // workers started so far are stopped and reaped before the error leaves, never orphaned.
+  auto abandon_started = [&](const std::string& why) {
+    for (auto& w : workers) {
+      if (w.pid <= 0) continue;
+      ::kill(-w.pid, SIGKILL);
+      ::kill(w.pid, SIGKILL);
+      int status = 0;
+      (void)::waitpid(w.pid, &status, 0);
+      remove_shm_of(w.pid);
+      if (w.out_fd >= 0) ::close(w.out_fd);
+      if (w.err_fd >= 0) ::close(w.err_fd);
+    }
+    sigaction(SIGINT, &old_int, nullptr);
+    sigaction(SIGTERM, &old_term, nullptr);
+    ::close(g_signal_pipe[0]);
+    ::close(g_signal_pipe[1]);
+    if (!flight_dir.empty()) remove_directory(flight_dir);
+    int started = 0;
+    for (const auto& w : workers) started += w.pid > 0 ? 1 : 0;
+    DT_THROW("launch", "{} (while starting worker {} of {}); the {} already started were stopped", why, started + 1,
+             o.nproc_per_node, started);
+  };
   for (int local = 0; local < o.nproc_per_node; ++local) {
     Worker& w = workers[static_cast<size_t>(local)];
     w.rank = o.node_rank * o.nproc_per_node + local;
-    int out[2], err[2];
-    DT_CHECK(::pipe2(out, O_CLOEXEC) == 0 && ::pipe2(err, O_CLOEXEC) == 0, "launch", "pipe: {}",
-             std::strerror(errno));
+    int out[2] = {-1, -1}, err[2] = {-1, -1};
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
+      const int e = errno;
+      for (int fd : {out[0], out[1], err[0], err[1]}) {
+        if (fd >= 0) ::close(fd);
+      }
+      abandon_started(fmt::format("cannot create the pipes for a worker's output: {}", std::strerror(e)));
+    }
     // A child inherits our handler, which reports signals through our pipe: a SIGTERM that
     // reaches it before it restored the default would look like one sent to the launcher.
     // Block the signals across the fork; the child unblocks them after restoring defaults.
@@ -335,6 +393,10 @@ LaunchResult run_launch(const LaunchOptions& o) {
     ::sigprocmask(SIG_BLOCK, &block, &previous);
     const pid_t pid = ::fork();
     if (pid == 0) {
+      // A worker never outlives its launcher, whatever the heartbeat setting: killed with it
+      // (and at once if the launcher died before this line).
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
       ::sigprocmask(SIG_SETMASK, &previous, nullptr);
@@ -363,8 +425,12 @@ LaunchResult run_launch(const LaunchOptions& o) {
       std::fprintf(stderr, "dtrain launch: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
       ::_exit(127);
     }
+    const int fork_errno = errno;
     ::sigprocmask(SIG_SETMASK, &previous, nullptr);
-    DT_CHECK(pid >= 0, "launch", "fork failed: {}", std::strerror(errno));
+    if (pid < 0) {
+      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+      abandon_started(fmt::format("fork failed: {}", std::strerror(fork_errno)));
+    }
     ::setpgid(pid, pid);  // also here: whichever runs first wins the race
     ::close(out[1]);
     ::close(err[1]);
@@ -391,6 +457,32 @@ LaunchResult run_launch(const LaunchOptions& o) {
     }
   };
   auto all_exited_at = std::chrono::steady_clock::time_point::max();
+  // Whether a worker that exited 0 had finished: dtrain's world groups record in the store when
+  // a rank joins (before its rendezvous) and when it leaves (its world closed cleanly). Asked
+  // through a connection of our own, opened when first needed; plain programs never join, and
+  // their exit 0 is a success as before.
+  const std::string world_name = o.run_id.empty() ? std::string("world") : "world@" + o.run_id;
+  std::shared_ptr<comm::Store> probe;
+  bool probe_failed = false;
+  auto store_has = [&](const std::string& key) -> bool {
+    for (int attempt = 0; !probe_failed; ++attempt) {
+      try {
+        if (!probe) {
+          probe = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(port), secret, std::chrono::seconds(5));
+        }
+        return probe->try_get(key).has_value();
+      } catch (const std::exception& e) {
+        probe.reset();
+        if (attempt == 0) continue;  // once more on a fresh connection
+        probe_failed = true;  // no store to ask: exits are judged by their codes alone
+        std::fprintf(stderr, "dtrain launch: cannot ask the store whether workers finished: %s\n", e.what());
+      }
+    }
+    return false;
+  };
+  auto joined = [&](int rank) { return store_has(fmt::format("{}/joined/{}", world_name, rank)); };
+  auto left = [&](int rank) { return store_has(fmt::format("{}/left/{}", world_name, rank)); };
+  auto next_early_check = std::chrono::steady_clock::now();
 
   while (true) {
     std::vector<pollfd> fds;
@@ -436,9 +528,10 @@ LaunchResult run_launch(const LaunchOptions& o) {
         std::string& acc = fd == &w.out_fd ? w.out_buf : w.err_buf;
         const int target = fd == &w.out_fd ? STDOUT_FILENO : STDERR_FILENO;
         const std::string prefix = o.prefix_output ? fmt::format("[rank {}] ", w.rank) : "";
+        bool* split = fd == &w.out_fd ? &w.out_split : &w.err_split;
         if (n > 0) {
           acc.append(buf, static_cast<size_t>(n));
-          flush_lines(acc, target, prefix, false);
+          flush_lines(acc, target, prefix, false, split);
         } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
           flush_lines(acc, target, prefix, true);
           ::close(*fd);
@@ -462,7 +555,37 @@ LaunchResult run_launch(const LaunchOptions& o) {
       } else {
         w.exit.exit_code = WEXITSTATUS(status);
       }
-      if (w.exit.signal != 0 || w.exit.exit_code != 0) failed_now.push_back(&w);
+      if (w.exit.signal != 0 || w.exit.exit_code != 0) {
+        failed_now.push_back(&w);
+      } else if (!stopping && !result.interrupted) {
+        if (!joined(w.rank)) {
+          w.exited_before_joining = true;  // a failure as soon as another rank joins (below)
+        } else if (!left(w.rank)) {
+          w.exit.early = true;
+          w.exit.why = "before the job ended: it joined the job's world but never left it (its peers would wait "
+                       "for it until their timeout)";
+          failed_now.push_back(&w);
+        }
+      }
+    }
+    // A worker that exited 0 before joining fails the job once any rank joined: they would wait
+    // for it at the rendezvous until the timeout.
+    if (!stopping && !result.interrupted && std::chrono::steady_clock::now() >= next_early_check &&
+        std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.exited_before_joining && !w.exit.early; })) {
+      next_early_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(250);
+      std::vector<int> waiting;
+      for (int r = 0; r < world && waiting.size() < 8; ++r) {
+        if (joined(r)) waiting.push_back(r);
+      }
+      if (!waiting.empty()) {
+        for (auto& w : workers) {
+          if (!w.exited_before_joining || w.exit.early) continue;
+          w.exit.early = true;
+          w.exit.why = fmt::format("before joining the job, while rank{} {} joined and wait{} for it at the rendezvous",
+                                   waiting.size() > 1 ? "s" : "", fmt::join(waiting, ", "), waiting.size() > 1 ? "" : "s");
+          failed_now.push_back(&w);
+        }
+      }
     }
     if (!failed_now.empty() && !stopping && !result.interrupted) {
       stopping = true;
@@ -514,7 +637,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
 
   for (auto& w : workers) {
     result.workers.push_back(w.exit);
-    if (w.exit.signal != 0 || w.exit.exit_code != 0) result.exit_code = 1;
+    if (w.exit.signal != 0 || w.exit.exit_code != 0 || w.exit.early) result.exit_code = 1;
   }
   result.received_signal = received_signal;
   if (received_signal != 0) {
@@ -523,19 +646,21 @@ LaunchResult run_launch(const LaunchOptions& o) {
   }
   if (result.exit_code != 0) {
     for (const auto& w : result.workers) {
-      if (result.report.find(fmt::format("rank {} ", w.rank)) == std::string::npos) {
+      if (result.report.find(fmt::format("rank {} (pid {})", w.rank, w.pid)) == std::string::npos) {
         result.report += describe(w) + "\n";
       }
     }
     if (!flight_dir.empty() && !result.interrupted) {  // an interrupt is not a failure to explain
       const std::vector<FlightRecord> records = read_flight_records(flight_dir);
       // The first to exit noticed a silent rank: that rank is the one that failed.
-      if (const int hung = silent_rank(records); hung >= 0) {
+      bool stalled = false;  // its heartbeat thread beat on, but its work stood still
+      if (const int hung = silent_rank(records, &stalled); hung >= 0) {
         const bool ours = std::any_of(result.workers.begin(), result.workers.end(),
                                       [hung](const WorkerExit& w) { return w.rank == hung; });
         if (ours) {
           result.first_failed = {hung};
-          result.report += fmt::format("rank {} sent no heartbeats (stopped or hung): it is the failed worker\n", hung);
+          result.report += fmt::format("rank {} {}: it is the failed worker\n", hung,
+                                       stalled ? "made no progress (hung)" : "sent no heartbeats (stopped or hung)");
         }
       }
       const std::string summary = flight_summary(records);

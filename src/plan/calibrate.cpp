@@ -1,4 +1,5 @@
 // Kernel timing and the calibration file (calibrate.h).
+#include "dtrain/core/file.h"
 #include "dtrain/plan/calibrate.h"
 
 #include <algorithm>
@@ -263,14 +264,7 @@ Calibration load_calibration(const std::string& path) {
 }
 
 void save_calibration(const Calibration& c, const std::string& path) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    DT_CHECK(out.good(), "plan", "--calibration {}: cannot write", path);
-    out << to_json(c).dump(1) << "\n";
-    DT_CHECK(out.good(), "plan", "--calibration {}: write failed", path);
-  }
-  DT_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "plan", "--calibration {}: cannot rename {}", path, tmp);
+  write_file_atomic(path, to_json(c).dump(1) + "\n", "plan");
 }
 
 }  // namespace dtrain::plan

@@ -131,7 +131,7 @@ std::string Checkpointer::write_shard(const CheckpointShard& shard) const {
   file.tensors = shard.params;
   for (const auto& [name, t] : shard.optimizer) file.tensors.emplace_back(kOptimPrefix + name, t);
   const std::string bytes = encode_model(file);
-  write_file_atomic(sd + "/" + rank_file(rank), bytes);
+  write_file_atomic(sd + "/" + rank_file(rank), bytes, "checkpoint");
   return sha256_hex(bytes.data(), bytes.size());
 }
 
@@ -155,7 +155,7 @@ void Checkpointer::commit(int64_t step, const std::string& sum) {
     for (int r = 0; r < world; ++r) {
       m["files"].push_back({{"rank", r}, {"name", rank_file(r)}, {"sha256", std::string(all.data() + kHex * r, kHex)}});
     }
-    write_file_atomic(sd + "/manifest.json", m.dump(1) + "\n");
+    write_file_atomic(sd + "/manifest.json", m.dump(1) + "\n", "checkpoint");
     verified_.insert(step);
     // Keep the newest `keep` complete checkpoints; anything older goes (complete or not). The
     // ones this process committed or loaded were checked already: their files are not read again.

@@ -1,5 +1,6 @@
 #include "dtrain/train/metrics.h"
 
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -8,18 +9,59 @@
 #include <fmt/format.h>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/file.h"
 
 namespace dtrain::train {
 
-MetricsWriter::MetricsWriter(const std::string& path) : out_(path, std::ios::trunc), path_(path) {
-  DT_CHECK(out_.is_open(), "metrics", "{}: cannot open for writing: {}", path, std::strerror(errno));
+MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
+  // Open without truncating, lock, then truncate: a second writer must not empty the file the
+  // first one is writing.
+  fd_ = open_output_file(path, "metrics", /*append=*/true);
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    DT_CHECK(err != EWOULDBLOCK, "metrics",
+             "--metrics {}: another process is writing this file (a second run, or workers started without --dp?)",
+             path);
+    DT_THROW("metrics", "--metrics {}: cannot lock: {}", path, std::strerror(err));
+  }
+  if (::ftruncate(fd_, 0) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    DT_THROW("metrics", "--metrics {}: cannot truncate: {}", path, std::strerror(err));
+  }
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+MetricsWriter::MetricsWriter(MetricsWriter&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) {
+  other.fd_ = -1;
+}
+
+MetricsWriter& MetricsWriter::operator=(MetricsWriter&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    path_ = std::move(other.path_);
+    other.fd_ = -1;
+  }
+  return *this;
 }
 
 void MetricsWriter::write(const nlohmann::json& record) {
-  if (!out_.is_open()) return;
-  out_ << record.dump() << '\n';
-  out_.flush();
-  DT_CHECK(out_.good(), "metrics", "{}: write failed", path_);
+  if (fd_ < 0) return;
+  const std::string line = record.dump() + '\n';
+  size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    DT_CHECK(n > 0, "metrics", "--metrics {}: write failed: {}", path_, n < 0 ? std::strerror(errno) : "no progress");
+    done += static_cast<size_t>(n);
+  }
 }
 
 Progress::Progress(int64_t total_steps, int64_t log_every, bool bar_allowed)

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/file.h"
 
 namespace dtrain::train {
 
@@ -51,16 +52,6 @@ struct Reader {
     return s;
   }
 };
-
-void write_all(int fd, const std::string& data, const std::string& path) {
-  size_t off = 0;
-  while (off < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + off, data.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    DT_CHECK(n > 0, "model", "{}: write failed: {}", path, std::strerror(errno));
-    off += static_cast<size_t>(n);
-  }
-}
 
 std::string hex_encode(const unsigned char* bytes, unsigned int len) {
   static const char* hex = "0123456789abcdef";
@@ -119,35 +110,8 @@ std::string encode_model(const ModelFile& file) {
   return out;
 }
 
-void save_model(const std::string& path, const ModelFile& file) { write_file_atomic(path, encode_model(file)); }
+void save_model(const std::string& path, const ModelFile& file) { write_file_atomic(path, encode_model(file), "model"); }
 
-void write_file_atomic(const std::string& path, const std::string& out) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  DT_CHECK(fd >= 0, "model", "{}: cannot create: {}", tmp, std::strerror(errno));
-  try {
-    write_all(fd, out, tmp);
-    DT_CHECK(::fsync(fd) == 0, "model", "{}: fsync failed: {}", tmp, std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    DT_THROW("model", "{}: rename from {} failed: {}", path, tmp, std::strerror(err));
-  }
-  // fsync the directory so the rename itself survives a crash.
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-}
 
 ModelFile load_model(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -9,15 +9,19 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <thread>
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/file.h"
 #include "dtrain/comm/group.h"
+#include "dtrain/comm/progress.h"
 #include "dtrain/core/log.h"
 #include "dtrain/parallel/ddp.h"
 #include "dtrain/parallel/mesh.h"
@@ -96,6 +100,7 @@ double evaluate(nn::Model& model, const data::Dataset& eval, int64_t batch_size,
   double total = 0.0;
   int64_t count = 0;
   for (int64_t b = 0; b < batches; ++b) {
+    comm::note_progress("evaluation");
     std::vector<int64_t> idx;
     for (int64_t i = b * batch_size; i < std::min(n, (b + 1) * batch_size); ++i) idx.push_back(i);
     data::Batch batch = eval.get(idx);
@@ -165,9 +170,10 @@ class Trace {
   std::vector<Span> spans_;
 };
 
-std::string rank_file(const std::string& path, int rank) { return fmt::format("{}.rank{}", path, rank); }
+constexpr uint32_t kTagTrace = 9;  // point-to-point tag on the world group: trace events to rank 0
 
-// Every rank writes its events; rank 0 merges them into `path` (one process per rank row).
+// Every rank sends its events to rank 0, which writes them all into `path` (one process per
+// rank row), atomically and never through a symlink (write_file_atomic).
 void write_trace(const Trace& trace, const std::string& path, comm::Group* group, int rank, int world) {
   auto metadata = [](int r, int tid, const std::string& name) {
     return nlohmann::json{{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid}, {"args", {{"name", name}}}};
@@ -176,22 +182,25 @@ void write_trace(const Trace& trace, const std::string& path, comm::Group* group
   ev.push_back(nlohmann::json{{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
   ev.push_back(metadata(rank, 0, "compute"));
   ev.push_back(metadata(rank, 1, "communication"));
-  if (world == 1 || group == nullptr) {
-    std::ofstream(path) << nlohmann::json{{"traceEvents", ev}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+  if (world > 1 && group != nullptr && rank != 0) {
+    const std::string text = ev.dump();
+    const uint64_t n = text.size();
+    group->send(&n, 1, comm::DataType::i64, 0, kTagTrace);
+    group->send(text.data(), text.size(), comm::DataType::u8, 0, kTagTrace);
     return;
   }
-  std::ofstream(rank_file(path, rank)) << ev.dump() << "\n";
-  group->barrier();
-  if (rank != 0) return;
-  nlohmann::json all = nlohmann::json::array();
-  for (int r = 0; r < world; ++r) {
-    std::ifstream in(rank_file(path, r));
-    nlohmann::json part = nlohmann::json::parse(in, nullptr, false);
-    DT_CHECK(part.is_array(), "train", "trace part {} is unreadable", rank_file(path, r));
+  nlohmann::json all = std::move(ev);
+  for (int r = 1; group != nullptr && r < world; ++r) {
+    uint64_t n = 0;
+    group->recv(&n, 1, comm::DataType::i64, r, kTagTrace);
+    DT_CHECK(n < (uint64_t{1} << 34), "train", "rank {} sent a trace of {} bytes", r, n);
+    std::string text(n, '\0');
+    group->recv(text.data(), text.size(), comm::DataType::u8, r, kTagTrace);
+    nlohmann::json part = nlohmann::json::parse(text, nullptr, false);
+    DT_CHECK(part.is_array(), "train", "rank {} sent an unreadable trace", r);
     for (auto& e : part) all.push_back(std::move(e));
-    std::remove(rank_file(path, r).c_str());
   }
-  std::ofstream(path) << nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+  write_file_atomic(path, nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() + "\n", "train");
 }
 
 }  // namespace
@@ -267,11 +276,15 @@ std::vector<nn::NamedTensor> gather_full_model(std::vector<nn::NamedTensor> loca
 //   kill   SIGKILL itself (a crash);
 //   stop   SIGSTOP itself (a hung process: only the heartbeats can tell);
 //   delay  sleep M ms (a straggler: the run goes on unless M exceeds --timeout);
-//   drop   shut down every socket it holds (a lost network: store and TCP peers).
+//   drop   shut down every socket it holds (a lost network: store and TCP peers);
+//   hang   block its main thread for good, as a read from a stuck file system does, while its
+//          heartbeat thread beats on (only the progress watch can tell, comm/progress.h);
+//   exit   exit(0) in the middle of the job (a script that returns early: its peers would wait).
+// A delay is a straggler that still makes progress (it notes progress while it sleeps).
 // Only on start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through;
 // attempt=any fires on every start (a worker that cannot come back).
 enum class FaultPhase { step, allreduce, checkpoint };
-enum class FaultKind { kill, stop, delay, drop };
+enum class FaultKind { kill, stop, delay, drop, hang, exit };
 
 struct Fault {
   FaultKind kind = FaultKind::kill;
@@ -304,11 +317,14 @@ std::vector<Fault> faults_from_env(int rank) {
       const size_t eq = part.find('=');
       const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
       try {
-        if (!kind_given && (part == "kill" || part == "stop" || part == "delay" || part == "drop")) {
+        if (!kind_given && (part == "kill" || part == "stop" || part == "delay" || part == "drop" || part == "hang" ||
+                            part == "exit")) {
           kind_given = true;
-          f.kind = part == "kill"   ? FaultKind::kill
-                   : part == "stop" ? FaultKind::stop
+          f.kind = part == "kill"    ? FaultKind::kill
+                   : part == "stop"  ? FaultKind::stop
                    : part == "delay" ? FaultKind::delay
+                   : part == "hang"  ? FaultKind::hang
+                   : part == "exit"  ? FaultKind::exit
                                      : FaultKind::drop;
         } else if (key == "ms") {
           f.ms = std::stoll(value);
@@ -327,12 +343,12 @@ std::vector<Fault> faults_from_env(int rank) {
       } catch (const std::exception&) {
         DT_THROW("train",
                  "DTRAIN_FAULT '{}': cannot read '{}' (expected "
-                 "kill|stop|delay|drop:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A|any][:ms=M])",
+                 "kill|stop|delay|drop|hang|exit:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A|any][:ms=M])",
                  spec, part);
       }
     }
     DT_CHECK(kind_given && f.rank >= 0 && f.step >= 1, "train",
-             "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay or drop) first, rank=R and step=S (S >= 1)", spec,
+             "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay, drop, hang or exit) first, rank=R and step=S (S >= 1)", spec,
              one);
     DT_CHECK((f.kind == FaultKind::delay) == (f.ms > 0), "train",
              "DTRAIN_FAULT '{}': '{}': ms=M (M > 0) goes with delay, and only with delay", spec, one);
@@ -371,10 +387,29 @@ void maybe_fail(const std::vector<Fault>& faults, int64_t step, FaultPhase phase
         DT_LOG_WARN("DTRAIN_FAULT: stopping this rank (pid {}, SIGSTOP) at step {}{}", ::getpid(), step, at);
         ::raise(SIGSTOP);
         break;
-      case FaultKind::delay:
+      case FaultKind::delay: {
         DT_LOG_WARN("DTRAIN_FAULT: delaying this rank by {} ms at step {}{}", f.ms, step, at);
-        std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.ms);
+        while (std::chrono::steady_clock::now() < until) {
+          comm::note_progress("a delay (DTRAIN_FAULT)", step);  // slow, not stuck
+          std::this_thread::sleep_until(std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(100)));
+        }
         break;
+      }
+      case FaultKind::exit:
+        DT_LOG_WARN("DTRAIN_FAULT: this rank (pid {}) exits with code 0 at step {}{}", ::getpid(), step, at);
+        std::exit(0);
+      case FaultKind::hang: {
+        DT_LOG_WARN("DTRAIN_FAULT: hanging this rank's main thread (pid {}) at step {}{}", ::getpid(), step, at);
+        comm::note_progress("reading its data (DTRAIN_FAULT hang)", step);
+        int fds[2];
+        if (::pipe(fds) == 0) {
+          char c;
+          while (::read(fds[0], &c, 1) != 0) {  // nobody writes: blocks until the process is stopped
+          }
+        }
+        break;
+      }
       case FaultKind::drop:
         DT_LOG_WARN("DTRAIN_FAULT: dropping every connection of this rank (pid {}) at step {}{}", ::getpid(), step, at);
         drop_connections();
@@ -487,6 +522,62 @@ void restore_checkpoint(const Checkpointer& ckpt, const CheckpointFound& found, 
   optimizer.load_state(loaded, counters);
 }
 
+// The options that must be the same on every rank: all that shape the math, the data order,
+// the layout and the run's length (outputs, logging and threads may differ).
+nlohmann::json run_options(const TrainConfig& c) {
+  return nlohmann::json{
+      {"model", c.model}, {"hidden", c.hidden}, {"layers", c.layers}, {"heads", c.heads}, {"width", c.width},
+      {"seq-len", c.seq_len}, {"dropout", c.dropout}, {"val-fraction", c.val_fraction}, {"steps", c.steps},
+      {"epochs", c.epochs}, {"batch-size", c.batch_size}, {"optimizer", c.optimizer}, {"lr", c.lr},
+      {"momentum", c.momentum}, {"weight-decay", c.weight_decay}, {"beta1", c.beta1}, {"beta2", c.beta2},
+      {"eps", c.eps}, {"lr-schedule", c.lr_schedule}, {"warmup", c.warmup}, {"min-lr", c.min_lr},
+      {"clip-grad", c.clip_grad}, {"dp", c.dp}, {"accumulate", c.accumulate}, {"zero", c.zero},
+      {"bucket-mb", c.bucket_mb}, {"overlap", c.overlap}, {"share-memory", c.share_memory}, {"compress", c.compress},
+      {"pp", c.pp}, {"tp", c.tp}, {"micro-batches", c.micro_batches}, {"schedule", c.schedule}, {"stages", c.stages},
+      {"recompute", c.recompute}, {"memory-limit", c.memory_limit}, {"checkpoint-dir", c.checkpoint_dir},
+      {"checkpoint-every", c.checkpoint_every}, {"keep", c.keep}, {"checkpoint-async", c.checkpoint_async},
+      {"timeout", c.timeout}, {"backend", c.backend}, {"heartbeat-timeout", c.heartbeat_timeout}, {"seed", c.seed},
+      {"eval-batches", c.eval_batches}};
+}
+
+// Ranks started with different options would deadlock (different --steps), fail late
+// (different --lr: caught by the final digest check) or silently train something else
+// (different --batch-size or --seed). Every rank compares all the ranks' options before
+// anything else runs on the group and raises, naming the ranks and the options that differ.
+void check_same_options(const TrainConfig& cfg, comm::Group& group) {
+  const std::string mine = run_options(cfg).dump();
+  const int n = group.size();
+  uint64_t length = mine.size();
+  std::vector<uint64_t> lengths(static_cast<size_t>(n));
+  group.all_gather(&length, lengths.data(), 1, comm::DataType::i64);
+  const uint64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  DT_CHECK(longest < (uint64_t{1} << 20), "train", "a rank sent {} bytes of options", longest);
+  std::string padded = mine;
+  padded.resize(longest, ' ');
+  std::string all(longest * static_cast<size_t>(n), ' ');
+  group.all_gather(padded.data(), all.data(), longest, comm::DataType::u8);
+  std::vector<nlohmann::json> options;
+  for (int r = 0; r < n; ++r) {
+    options.push_back(nlohmann::json::parse(all.substr(longest * static_cast<size_t>(r), lengths[static_cast<size_t>(r)]),
+                                            nullptr, false));
+    DT_CHECK(options.back().is_object(), "train", "rank {} sent options that are not JSON", r);
+  }
+  std::vector<std::string> differences;
+  for (int r = 1; r < n; ++r) {
+    for (const auto& [key, value] : options[0].items()) {
+      const auto it = options[static_cast<size_t>(r)].find(key);
+      const std::string theirs = it == options[static_cast<size_t>(r)].end() ? "(missing)" : it->dump();
+      if (theirs != value.dump() && differences.size() < 8) {
+        differences.push_back(fmt::format("rank {} has --{} {} but rank 0 has {}", r, key, theirs, value.dump()));
+      }
+    }
+  }
+  DT_CHECK(differences.empty(), "train",
+           "the ranks were started with different options, which would train different models or hang: {}; start "
+           "every rank with the same command (dtrain train --dp N does)",
+           fmt::join(differences, "; "));
+}
+
 // Per-rank figures every rank contributes to the final record.
 struct RankFigures {
   double step_s = 0.0, busy_s = 0.0;
@@ -537,12 +628,17 @@ TrainResult run_training(const TrainConfig& requested) {
     DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the {} started {} ({})", cfg.dp,
              cfg.pp, cfg.tp, world, cfg.backend == "mpi" ? "MPI job" : "launcher", group->size(),
              cfg.backend == "mpi" ? "mpirun -np" : "WORLD_SIZE");
+    check_same_options(cfg, *group);
     mesh = std::make_unique<parallel::Mesh>(*group, parallel::MeshShape{cfg.dp, cfg.pp, cfg.tp});
     coord = mesh->coord();
     rank = group->rank();
   }
   const bool lead = rank == 0;
   const bool pipelined = cfg.pp > 1;
+  // Outputs written at the end: refused now, not lost after the whole run.
+  if (lead && !cfg.save.empty()) check_output_path(cfg.save, "--save", "train");
+  if (lead && !cfg.trace.empty()) check_output_path(cfg.trace, "--trace", "train");
+  if (lead && !cfg.metrics.empty()) check_output_path(cfg.metrics, "--metrics", "train");
   DataSource src = build_data(cfg);
 
   // This rank's stage of the model.
@@ -680,6 +776,7 @@ TrainResult run_training(const TrainConfig& requested) {
   int64_t epoch = -1;
   RankFigures fig;
   for (int64_t step = start_step; step < total_steps; ++step) {
+    comm::note_progress("the start of a step", step + 1);
     maybe_fail(faults, step + 1, FaultPhase::step);
     const int64_t e = step / steps_per_epoch;
     if (e != epoch) {
@@ -703,6 +800,7 @@ TrainResult run_training(const TrainConfig& requested) {
         parallel::StageStats st;
         step_loss += pipe->train_step(
             [&](int m) {
+              comm::note_progress("reading a batch", step + 1);
               data::Batch b = micro_batch(a * M + m);
               return std::make_pair(b.x, b.y);
             },
@@ -724,12 +822,15 @@ TrainResult run_training(const TrainConfig& requested) {
         continue;
       }
       const auto tm = Clock::now();
+      comm::note_progress("reading a batch", step + 1);
       data::Batch b = micro_batch(a);
       if (ddp) ddp->set_sync(sync);
+      comm::note_progress("forward", step + 1);
       Tensor loss = model->loss(model->forward(b.x), b.y);
       const auto tf = Clock::now();
       step_loss += static_cast<double>(loss.item());
       if (cfg.accumulate > 1) loss = loss * (1.0f / static_cast<float>(cfg.accumulate));
+      comm::note_progress("backward", step + 1);
       loss.backward();
       const auto tb = Clock::now();
       trace.span("forward", cfg.accumulate > 1 ? static_cast<int>(a) : -1, 0, tm, tf, step + 1);
@@ -789,6 +890,7 @@ TrainResult run_training(const TrainConfig& requested) {
         }
       }
     }
+    comm::note_progress("the optimizer step", step + 1);
     optimizer->step();
     if (ddp) {
       ddp->gather_parameters();
@@ -797,6 +899,7 @@ TrainResult run_training(const TrainConfig& requested) {
     optimizer->zero_grad();
     const auto t1 = Clock::now();
     if (ckpt && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) {
+      comm::note_progress("writing a checkpoint", step + 1);
       CheckpointShard shard = checkpoint_shard(step + 1, *model, *optimizer, ddp.get());
       const int64_t at = step + 1;
       auto before_commit = [&faults, at] { maybe_fail(faults, at, FaultPhase::checkpoint); };
@@ -836,6 +939,7 @@ TrainResult run_training(const TrainConfig& requested) {
     if (lead) progress.update(step + 1, epoch + 1, holds_loss ? step_loss : result.final_loss, optimizer->lr(), rate, unit);
   }
   if (lead) progress.finish();
+  comm::note_progress("committing the last checkpoint", total_steps);
   if (ckpt) ckpt->finish();  // commits a checkpoint still being written in the background
 
   result.steps = total_steps;
@@ -971,7 +1075,9 @@ TrainResult run_training(const TrainConfig& requested) {
     final_record["test_accuracy"] = result.test_accuracy;
   }
   metrics.write(final_record);
+  comm::note_progress("saving the model");
   if (!cfg.save.empty() && lead) save_model(cfg.save, ModelFile{model_metadata(cfg), full});
+  comm::pause_progress();  // the work is done; what follows (leaving the groups) is shutdown
   return result;
 }
 

@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "dtrain/core/file.h"
 #include "dtrain/comm/compress.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/reduce.h"
@@ -758,9 +759,7 @@ int worker(const CollBenchOptions& o) {
                 wall, p, cpu[0], cpu[1], (cpu[0] + cpu[1]) / wall, m.cores);
     if (total_wrong != 0) std::printf("# WRONG RESULTS: %llu elements differ\n", static_cast<unsigned long long>(total_wrong));
     if (!o.json.empty()) {
-      std::ofstream f(o.json);
-      DT_CHECK(f.good(), "bench", "cannot write --json {}", o.json);
-      f << doc.dump(1) << "\n";
+      write_file_atomic(o.json, doc.dump(1) + "\n", "bench");
     }
   }
   world.barrier();

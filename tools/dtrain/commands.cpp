@@ -27,6 +27,32 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   const comm::LauncherVars vars = comm::launcher_vars();
   const char* rank_env = vars.rank != nullptr ? std::getenv(vars.rank) : nullptr;
   const char* size_env = vars.size != nullptr ? std::getenv(vars.size) : nullptr;
+  // Started as one of several workers (dtrain launch, torchrun; mpirun or srun with --backend
+  // mpi) whose number is not this run's dp x pp x tp: each would train on its own and all would
+  // write the same files. Without --dp the workers are the data-parallel replicas (as torchrun
+  // users expect); otherwise the two numbers are named. Elastic runs (--min-workers) shrink below.
+  const bool launched = std::getenv("RANK") != nullptr || (mpi && rank_env != nullptr);
+  if (launched && size_env != nullptr) {
+    const long started = std::strtol(size_env, nullptr, 10);
+    const int64_t want = static_cast<int64_t>(cfg.dp) * cfg.pp * cfg.tp;
+    const bool shrunk = cfg.min_workers > 0 && started >= cfg.min_workers && started < want;
+    if (started >= 1 && started != want && !shrunk) {
+      const int64_t per_replica = static_cast<int64_t>(cfg.pp) * cfg.tp;
+      DT_CHECK(cfg.given.count("dp") == 0 && started % per_replica == 0, "train",
+               "the {} started {} workers ({}={}) but --dp {} x --pp {} x --tp {} = {}: give --dp {} or leave "
+               "--dp out (the workers are then the data-parallel replicas), or run dtrain train --dp N without a "
+               "launcher",
+               std::getenv("RANK") != nullptr ? "launcher" : "MPI job (mpirun -np, srun -n)", started, vars.size,
+               size_env, cfg.dp, cfg.pp, cfg.tp, want,
+               started % per_replica == 0 ? fmt::format("{}", started / per_replica) : std::string("N"));
+      cfg.dp = static_cast<int>(started / per_replica);
+      train::finalize(cfg);  // the batch must split over the new dp
+      if (rank_env == nullptr || std::string(rank_env) == "0") {
+        std::fprintf(stderr, "dtrain train: %ld workers started by the launcher: --dp %d (data-parallel replicas)\n",
+                     started, cfg.dp);
+      }
+    }
+  }
   const bool in_world = std::getenv("RANK") != nullptr ||
                         (rank_env != nullptr && size_env != nullptr && std::atoi(size_env) == train::world_size(cfg));
   // Not started by a launcher: start dp x pp x tp copies of this very command.

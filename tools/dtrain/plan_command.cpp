@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "dtrain/core/file.h"
 #include "dtrain/core/error.h"
 #include "dtrain/plan/calibrate.h"
 #include "dtrain/plan/plan.h"
@@ -373,7 +374,7 @@ int run_plan(CLI::App& app, PlanOptions& o, const std::vector<std::string>& argv
   }
   if (!o.kernel_probe.empty()) {  // a copy started by calibrate()
     const int64_t rows = cfg.batch_size / (layout.dp * layout.accumulate * layout.micro_batches);
-    std::ofstream(o.kernel_probe) << probe_kernels(cfg, rows, layout.tp, o.kernel_probe_at).dump() << "\n";
+    write_file_atomic(o.kernel_probe, probe_kernels(cfg, rows, layout.tp, o.kernel_probe_at).dump() + "\n", "plan");
     return 0;
   }
   const int world = searching ? o.devices : layout.world();

@@ -47,6 +47,10 @@ struct WorkerExit {
   int exit_code = -1;  // valid when !signaled
   int signal = 0;      // non-zero when killed by a signal
   bool stopped_by_launcher = false;
+  /// Exited with code 0 before the job ended (before joining its world while other ranks had
+  /// joined, or without leaving the world it joined): a failure all the same; `why` says which.
+  bool early = false;
+  std::string why;
 };
 
 struct LaunchResult {

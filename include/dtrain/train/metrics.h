@@ -14,12 +14,17 @@ namespace dtrain::train {
 class MetricsWriter {
  public:
   MetricsWriter() = default;
+  /// Opens `path` (never through a symlink) and takes an exclusive lock on it: a second process
+  /// writing the same file is refused, naming it, instead of interleaving its lines.
   explicit MetricsWriter(const std::string& path);
-  bool enabled() const { return out_.is_open(); }
+  ~MetricsWriter();
+  MetricsWriter(MetricsWriter&& other) noexcept;
+  MetricsWriter& operator=(MetricsWriter&& other) noexcept;
+  bool enabled() const { return fd_ >= 0; }
   void write(const nlohmann::json& record);
 
  private:
-  std::ofstream out_;
+  int fd_ = -1;
   std::string path_;
 };
 

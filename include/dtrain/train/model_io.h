@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/core/file.h"  // write_file_atomic
 #include "dtrain/nn/module.h"
 
 namespace dtrain::train {
@@ -22,9 +23,6 @@ struct ModelFile {
 void save_model(const std::string& path, const ModelFile& file);
 /// The bytes save_model writes.
 std::string encode_model(const ModelFile& file);
-/// Writes `bytes` to a temporary name, fsyncs, renames to `path` and fsyncs the directory: a
-/// crash leaves either the old file or the whole new one.
-void write_file_atomic(const std::string& path, const std::string& bytes);
 /// Throws dtrain::Error naming the file for a missing, truncated, corrupted or foreign file.
 ModelFile load_model(const std::string& path);
 /// The same for a file's bytes; `where` names them in errors.

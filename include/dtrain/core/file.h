@@ -1,0 +1,29 @@
+// Files written safely: created exclusively under an unpredictable name in the target's own
+// directory (never through a symlink planted at a predictable name), then renamed over the
+// target, so a reader sees the old file or the new one and another user who can write the
+// directory cannot redirect the write. Every failure names the path and the system's reason.
+#pragma once
+
+#include <string>
+
+namespace dtrain {
+
+/// Writes `bytes` to `path` atomically: a new file `DIR/.NAME.XXXXXX` (O_EXCL | O_NOFOLLOW, mode
+/// 0644 less the umask), fsynced, renamed over `path` (a symlink at `path` is replaced, its
+/// target untouched), then the directory fsynced. `component` tags the error.
+void write_file_atomic(const std::string& path, const std::string& bytes, const char* component = "io");
+
+/// Opens `path` for writing a stream (truncating a regular file that is there) without following
+/// a symlink at its last component and refusing anything but a regular file; returns the fd
+/// (O_CLOEXEC). Throws naming the path when it cannot.
+int open_output_file(const std::string& path, const char* component = "io", bool append = false);
+
+/// Checks at start that `path` can be written later (its directory exists and takes a new
+/// file; `path` is not a directory), so a long run does not fail, or lose its output, at the
+/// end. `what` names the option in the error ("--save").
+void check_output_path(const std::string& path, const char* what, const char* component = "io");
+
+/// The directory part of `path` ("." for a bare name, "/" for a file at the root).
+std::string parent_directory(const std::string& path);
+
+}  // namespace dtrain
