@@ -298,3 +298,22 @@ TEST_F(Hardening, TheLaunchersLineBufferIsBounded) {
 }
 
 }  // namespace
+
+namespace {
+
+// Resuming a checkpoint past the run's end once printed a summary with loss 0.0000.
+TEST_F(Hardening, ACheckpointPastTheRunsEndIsRefused) {
+  const std::string job = kMlp + " --checkpoint-dir " + path("ck") + " --checkpoint-every 10";
+  ASSERT_EQ(dtrain(job + " --steps 30").code, 0);
+  ProcessResult shorter = dtrain(job + " --steps 20");
+  EXPECT_NE(shorter.code, 0) << shorter.output;
+  EXPECT_NE(shorter.output.find("its newest checkpoint is at step 30, past the end of this run (20 steps)"),
+            std::string::npos)
+      << shorter.output;
+  ProcessResult same = dtrain(job + " --steps 30");
+  EXPECT_EQ(same.code, 0) << same.output;
+  EXPECT_NE(same.output.find("all 30 steps were done already"), std::string::npos) << same.output;
+  EXPECT_EQ(same.output.find("train loss 0.0000"), std::string::npos) << same.output;
+}
+
+}  // namespace

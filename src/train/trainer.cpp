@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -743,6 +744,16 @@ TrainResult run_training(const TrainConfig& requested) {
   const int64_t total_steps = cfg.steps > 0 ? cfg.steps : steps_per_epoch * std::max<int64_t>(cfg.epochs, 1);
   optim::LrSchedule sched{cfg.lr, cfg.lr_schedule == "cosine" ? cfg.min_lr : cfg.lr, cfg.warmup, total_steps,
                           cfg.lr_schedule == "cosine"};
+  // A checkpoint past this run's end: nothing to train, and no loss to report (it used to
+  // print a summary with loss 0.0000).
+  DT_CHECK(start_step <= total_steps, "train",
+           "--checkpoint-dir {}: its newest checkpoint is at step {}, past the end of this run ({} steps); raise "
+           "--steps (or --epochs), or use another --checkpoint-dir",
+           cfg.checkpoint_dir, start_step, total_steps);
+  if (start_step == total_steps && lead) {
+    DT_LOG_WARN("--checkpoint-dir {}: all {} steps were done already; evaluating and saving only (no train loss)",
+                cfg.checkpoint_dir, total_steps);
+  }
 
   const bool text = src.tokens_per_sample > 0;
   const char* unit = text ? "tok" : "samples";
@@ -768,6 +779,7 @@ TrainResult run_training(const TrainConfig& requested) {
   Trace trace(!cfg.trace.empty(), rank, origin);
 
   TrainResult result;
+  if (start_step == total_steps) result.final_loss = std::numeric_limits<double>::quiet_NaN();
   double train_time = 0.0, compute_time = 0.0, comm_time = 0.0, wait_time = 0.0;
   uint64_t wire_bytes = 0, raw_bytes = 0;  // gradient bytes this rank sent, and what f32 would have sent
   double interval_loss = 0.0;
