@@ -589,6 +589,11 @@ struct RankFigures {
 }  // namespace
 
 TrainResult run_training(const TrainConfig& requested) {
+  // The loop notes its progress (comm/progress.h); once this returns or throws, what follows
+  // (leaving the groups, the caller's own work) is not watched.
+  struct StopWatchingProgress {
+    ~StopWatchingProgress() { comm::pause_progress(); }
+  } stop_watching;
   TrainConfig cfg = requested;
   // Elastic (--min-workers): the launcher went on with fewer workers after some could not come
   // back; the data-parallel axis shrinks and the global batch stays (the checkpoint reshards).
@@ -1089,7 +1094,6 @@ TrainResult run_training(const TrainConfig& requested) {
   metrics.write(final_record);
   comm::note_progress("saving the model");
   if (!cfg.save.empty() && lead) save_model(cfg.save, ModelFile{model_metadata(cfg), full});
-  comm::pause_progress();  // the work is done; what follows (leaving the groups) is shutdown
   return result;
 }
 
