@@ -1,12 +1,16 @@
 #include "dtrain/train/checkpoint.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
+#include <limits>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/log.h"
@@ -26,10 +30,92 @@ constexpr const char* kOptimPrefix = "optimizer/";
 std::string step_dir(const std::string& dir, int64_t step) { return fmt::format("{}/step-{:08d}", dir, step); }
 std::string rank_file(int rank) { return fmt::format("rank-{}.dtm", rank); }
 
+constexpr int kMaxRanks = 256;  // finalize()'s bound on dp x pp x tp
+
+// Reads a regular file whole into `bytes`: empty when it is read, else why not (the system's
+// reason; ENOENT in `missing`). Never throws, never blocks on a FIFO, refuses a directory.
+std::string read_regular(const std::string& path, std::string* bytes, bool* missing = nullptr) {
+  bytes->clear();
+  if (missing != nullptr) *missing = false;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    if (missing != nullptr) *missing = errno == ENOENT;
+    return std::strerror(errno);
+  }
+  std::string why;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    why = std::strerror(errno);
+  } else if (S_ISDIR(st.st_mode)) {
+    why = "is a directory";
+  } else if (!S_ISREG(st.st_mode)) {
+    why = "not a regular file";
+  } else {
+    (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    bytes->resize(static_cast<size_t>(st.st_size) + 1);
+    size_t done = 0;
+    while (true) {
+      if (done == bytes->size()) bytes->resize(done + 65536);
+      const ssize_t n = ::read(fd, bytes->data() + done, bytes->size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        why = fmt::format("read failed: {}", std::strerror(errno));
+        break;
+      }
+      if (n == 0) break;
+      done += static_cast<size_t>(n);
+    }
+    bytes->resize(why.empty() ? done : 0);
+  }
+  ::close(fd);
+  return why;
+}
+
+// The file's text, or empty when it cannot be read (callers report empty as missing).
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in.good()) return {};
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string bytes;
+  read_regular(path, &bytes);
+  return bytes;
+}
+
+// The metadata of a shard, from the model-file header (model_io.cpp: magic "DTRAINMD", u32
+// version, u32 metadata length, metadata) without decoding its tensors; empty when cut short.
+std::string shard_metadata(const std::string& bytes) {
+  constexpr size_t kHeader = 16;
+  if (bytes.size() < kHeader || bytes.compare(0, 8, "DTRAINMD") != 0) return {};
+  uint32_t len = 0;
+  std::memcpy(&len, bytes.data() + 12, sizeof(len));
+  if (len > bytes.size() - kHeader) return {};
+  return bytes.substr(kHeader, len);
+}
+
+// What is wrong with a shard's metadata (parsed JSON) for `rank` at `step`; empty when it has
+// every field read() uses, of the type it is read as.
+std::string shard_metadata_damage(const nlohmann::json& meta, int64_t step, int rank) {
+  if (!meta.is_object()) return "its metadata is not a JSON object";
+  auto integer = [&](const char* key) { return meta.contains(key) && meta[key].is_number_integer(); };
+  if (!integer("step") || meta["step"].get<int64_t>() != step) {
+    return fmt::format("its metadata names step {}, not {}", meta.value("step", nlohmann::json()).dump(), step);
+  }
+  if (!integer("rank") || meta["rank"].get<int64_t>() != rank) {
+    return fmt::format("its metadata names rank {}, not {}", meta.value("rank", nlohmann::json()).dump(), rank);
+  }
+  if (!integer("step_count") || meta["step_count"].get<int64_t>() < 0) {
+    return fmt::format("its metadata's step_count is {}, expected a non-negative integer",
+                       meta.value("step_count", nlohmann::json()).dump());
+  }
+  if (!meta.contains("params") || !meta["params"].is_number_unsigned()) {
+    return fmt::format("its metadata's params is {}, expected a non-negative integer",
+                       meta.value("params", nlohmann::json()).dump());
+  }
+  const auto ps = meta.find("param_steps");
+  if (ps == meta.end() || !ps->is_object()) return "its metadata has no param_steps object";
+  for (const auto& [name, n] : ps->items()) {
+    if (!n.is_number_integer()) {
+      return fmt::format("its metadata's param_steps[\"{}\"] is {}, expected an integer", name, n.dump());
+    }
+  }
+  return {};
 }
 
 }  // namespace
@@ -37,12 +123,17 @@ std::string read_file(const std::string& path) {
 std::vector<int64_t> checkpoint_steps(const std::string& dir) {
   std::vector<int64_t> steps;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
+  fs::directory_iterator it(dir, ec);
+  // Not there yet: no checkpoints. Anything else (a file, no permission) must not read as
+  // "no checkpoints": the run would start over from step 0 and prune the ones it cannot see.
+  if (ec == std::errc::no_such_file_or_directory) return steps;
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     if (name.size() != 13 || name.rfind("step-", 0) != 0) continue;
     if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
     steps.push_back(std::stoll(name.substr(5)));
   }
+  DT_CHECK(!ec, "checkpoint", "checkpoint dir {}: cannot list it: {}", dir, ec.message());
   std::sort(steps.rbegin(), steps.rend());
   return steps;
 }
@@ -61,6 +152,16 @@ std::string parse_manifest(const std::string& text, int64_t step, const nlohmann
   if (s == m.end() || !s->is_number_integer() || s->get<int64_t>() != step) return "manifest.json names another step";
   const auto l = m.find("layout");
   if (l == m.end() || !l->is_object()) return "manifest.json has no layout";
+  // The layout fields a resume reads as integers (dp x pp x tp ranks wrote the files).
+  int64_t ranks = 1;
+  for (const char* key : {"dp", "pp", "tp"}) {
+    const auto v = l->find(key);
+    if (v == l->end() || !v->is_number_integer() || v->get<int64_t>() < 1 || v->get<int64_t>() > kMaxRanks) {
+      return fmt::format("manifest.json: layout field \"{}\" is {}, expected an integer from 1 to {}", key,
+                         v == l->end() ? "missing" : v->dump(), kMaxRanks);
+    }
+    ranks *= v->get<int64_t>();
+  }
   if (compatible.is_object()) {
     for (const auto& [key, want] : compatible.items()) {
       const auto got = l->find(key);
@@ -73,15 +174,24 @@ std::string parse_manifest(const std::string& text, int64_t step, const nlohmann
   }
   const auto fl = m.find("files");
   if (fl == m.end() || !fl->is_array() || fl->empty()) return "manifest.json lists no files";
+  if (static_cast<int64_t>(fl->size()) != ranks) {
+    return fmt::format("manifest.json lists {} files, but its layout (dp x pp x tp) has {} ranks", fl->size(), ranks);
+  }
   std::vector<ManifestFile> out;
   for (const auto& f : *fl) {
     if (!f.is_object() || !f.contains("name") || !f["name"].is_string() || !f.contains("sha256") ||
-        !f["sha256"].is_string() || f["sha256"].get<std::string>().size() != kHex) {
-      return "manifest.json has a malformed file entry";
+        !f["sha256"].is_string() || f["sha256"].get<std::string>().size() != kHex ||
+        (f.contains("rank") && (!f["rank"].is_number_integer() || f["rank"].get<int64_t>() != std::ssize(out)))) {
+      return fmt::format("manifest.json has a malformed file entry: {}", f.dump());
     }
     const std::string name = f["name"].get<std::string>();
     if (name.empty() || name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
       return fmt::format("manifest.json names a file outside the checkpoint: '{}'", name);
+    }
+    // Rank r's file is read by that name (read()), so that is the one the checksum must cover.
+    if (name != rank_file(static_cast<int>(out.size()))) {
+      return fmt::format("manifest.json lists '{}' where rank {}'s file {} belongs", name, out.size(),
+                         rank_file(static_cast<int>(out.size())));
     }
     out.push_back({name, f["sha256"].get<std::string>()});
   }
@@ -94,15 +204,27 @@ std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohma
                               nlohmann::json* layout) {
   const std::string sd = step_dir(dir, step);
   std::vector<ManifestFile> files;
-  const std::string bad = parse_manifest(read_file(sd + "/manifest.json"), step, compatible, &files, layout);
+  std::string text;
+  bool missing = false;
+  const std::string unreadable = read_regular(sd + "/manifest.json", &text, &missing);
+  if (!unreadable.empty() && !missing) return fmt::format("manifest.json: {}", unreadable);
+  const std::string bad = parse_manifest(text, step, compatible, &files, layout);
   if (!bad.empty()) return bad;
-  for (const ManifestFile& f : files) {
-    const std::string bytes = read_file(sd + "/" + f.name);
+  for (size_t r = 0; r < files.size(); ++r) {
+    const ManifestFile& f = files[r];
+    std::string bytes;
+    const std::string why = read_regular(sd + "/" + f.name, &bytes, &missing);
+    if (!why.empty() && !missing) return fmt::format("{}: {}", f.name, why);
     if (bytes.empty()) return fmt::format("{} is missing or empty", f.name);
     const std::string sum = sha256_hex(bytes.data(), bytes.size());
     if (sum != f.sha256) {
       return fmt::format("{} does not match its checksum (sha256 {} but the manifest says {})", f.name, sum, f.sha256);
     }
+    // Checksummed, so written as it is; its metadata is checked all the same, so that read()
+    // of a step found here cannot fail on it.
+    const nlohmann::json meta = nlohmann::json::parse(shard_metadata(bytes), nullptr, false);
+    const std::string meta_bad = shard_metadata_damage(meta, step, static_cast<int>(r));
+    if (!meta_bad.empty()) return fmt::format("{}: {}", f.name, meta_bad);
   }
   return {};
 }
@@ -110,9 +232,75 @@ std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohma
 Checkpointer::Checkpointer(std::string dir, int keep, comm::Group* world, nlohmann::json layout)
     : dir_(std::move(dir)), keep_(keep), world_(world), layout_(std::move(layout)) {
   DT_CHECK(keep_ >= 1, "checkpoint", "--keep {} must be at least 1", keep_);
-  std::error_code ec;
-  fs::create_directories(dir_, ec);
-  DT_CHECK(!ec && fs::is_directory(dir_), "checkpoint", "--checkpoint-dir {}: cannot create: {}", dir_, ec.message());
+  const int rank = world_ != nullptr ? world_->rank() : 0;
+  // Every rank checks the directory (each writes its own file there), then they agree, so that
+  // one rank's refusal stops all of them here rather than at a collective further on.
+  std::exception_ptr error;
+  try {
+    open_dir(rank == 0);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (world_ != nullptr) {
+    const uint8_t mine = error ? 1 : 0;
+    std::vector<uint8_t> all(static_cast<size_t>(world_->size()));
+    world_->all_gather(&mine, all.data(), 1, comm::DataType::u8);
+    const auto first = std::find(all.begin(), all.end(), uint8_t{1});
+    if (!error && first != all.end()) {
+      close_lock();
+      DT_THROW("checkpoint", "checkpoint dir {}: rank {} cannot use it (see its error)", dir_, first - all.begin());
+    }
+  }
+  if (error) {
+    close_lock();
+    std::rethrow_exception(error);
+  }
+}
+
+void Checkpointer::open_dir(bool lead) {
+  struct stat st {};
+  if (::stat(dir_.c_str(), &st) == 0) {
+    DT_CHECK(S_ISDIR(st.st_mode), "checkpoint", "--checkpoint-dir {}: exists and is not a directory", dir_);
+  } else {
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    DT_CHECK(!ec, "checkpoint", "--checkpoint-dir {}: cannot create it: {}", dir_, ec.message());
+  }
+  (void)checkpoint_steps(dir_);  // listable, or an error naming the dir and the reason
+  // Writable now, not only at the first checkpoint hours later.
+  std::string probe = dir_ + "/.dtrain-probe.XXXXXX";
+  const int pfd = ::mkostemp(probe.data(), O_CLOEXEC);
+  DT_CHECK(pfd >= 0, "checkpoint", "--checkpoint-dir {}: cannot write in it: {}", dir_, std::strerror(errno));
+  ::close(pfd);
+  ::unlink(probe.c_str());
+  if (!lead) return;
+  // One run per directory: two would prune and overwrite each other's steps. The kernel drops
+  // the lock when the process ends however it ends, so a restart after a kill takes it again.
+  const std::string path = dir_ + "/.lock";
+  lock_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0644);
+  if (lock_fd_ < 0) {
+    const int err = errno;
+    DT_CHECK(err != ELOOP, "checkpoint", "{}: is a symbolic link; refusing to open it", path);
+    DT_THROW("checkpoint", "{}: cannot open: {}", path, std::strerror(err));
+  }
+  DT_CHECK(::fstat(lock_fd_, &st) == 0 && S_ISREG(st.st_mode), "checkpoint", "{}: not a regular file", path);
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    DT_CHECK(err == EWOULDBLOCK, "checkpoint", "{}: cannot lock: {}", path, std::strerror(err));
+    char text[32] = {};
+    const ssize_t n = ::pread(lock_fd_, text, sizeof(text) - 1, 0);
+    const long pid = n > 0 ? std::strtol(text, nullptr, 10) : 0;
+    DT_THROW("checkpoint", "checkpoint dir {} is in use by another run ({})", dir_,
+             pid > 0 ? fmt::format("pid {}", pid) : std::string("its pid is not written yet"));
+  }
+  const std::string pid = fmt::format("{}\n", ::getpid());
+  DT_CHECK(::ftruncate(lock_fd_, 0) == 0 && ::pwrite(lock_fd_, pid.data(), pid.size(), 0) == std::ssize(pid),
+           "checkpoint", "{}: cannot write: {}", path, std::strerror(errno));
+}
+
+void Checkpointer::close_lock() {
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+  lock_fd_ = -1;
 }
 
 std::string Checkpointer::write_shard(const CheckpointShard& shard) const {
@@ -215,6 +403,7 @@ void Checkpointer::finish() {
 Checkpointer::~Checkpointer() {
   // An unfinished asynchronous write is abandoned uncommitted (the manifest is the commit).
   if (pending_ && pending_->writer.joinable()) pending_->writer.join();
+  close_lock();
 }
 
 std::optional<CheckpointFound> Checkpointer::latest(const nlohmann::json& compatible) {
@@ -222,7 +411,14 @@ std::optional<CheckpointFound> Checkpointer::latest(const nlohmann::json& compat
   int64_t chosen = -1;
   std::string foreign;
   if (rank == 0) {
-    for (int64_t s : checkpoint_steps(dir_)) {
+    std::vector<int64_t> steps;
+    try {
+      steps = checkpoint_steps(dir_);
+    } catch (const Error& e) {
+      foreign = e.message();  // every rank must hear of it, not wait in the broadcast below
+      chosen = -2;
+    }
+    for (int64_t s : steps) {
       const std::string damage = checkpoint_damage(dir_, s, compatible);
       if (damage.empty()) {
         chosen = s;
@@ -241,7 +437,7 @@ std::optional<CheckpointFound> Checkpointer::latest(const nlohmann::json& compat
   }
   if (world_ != nullptr) world_->broadcast(&chosen, 1, comm::DataType::i64, 0);
   DT_CHECK(chosen != -2, "checkpoint", "{}",
-           rank == 0 ? foreign : "rank 0 found a checkpoint of another run (see its error)");
+           rank == 0 ? foreign : "rank 0 cannot resume from the checkpoint dir (see its error)");
   if (chosen < 0) return std::nullopt;
   CheckpointFound found;
   found.step = chosen;
@@ -255,10 +451,8 @@ CheckpointShard Checkpointer::read(int64_t step, int rank) const {
   const std::string path = step_dir(dir_, step) + "/" + rank_file(rank);
   const ModelFile file = load_model(path);
   const nlohmann::json meta = nlohmann::json::parse(file.metadata, nullptr, false);
-  DT_CHECK(meta.is_object() && meta.value("step", int64_t{-1}) == step && meta.value("rank", -1) == rank &&
-               meta.contains("step_count") && meta.contains("param_steps") && meta["param_steps"].is_object() &&
-               meta.contains("params"),
-           "checkpoint", "{}: metadata does not describe rank {} at step {}", path, rank, step);
+  const std::string bad = shard_metadata_damage(meta, step, rank);
+  DT_CHECK(bad.empty(), "checkpoint", "{}: {}", path, bad);
   CheckpointShard shard;
   shard.step = step;
   shard.step_count = meta["step_count"].get<int64_t>();

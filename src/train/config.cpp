@@ -2,8 +2,12 @@
 
 #include "dtrain/parallel/ddp.h"
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <variant>
 
 #include <CLI/CLI.hpp>
@@ -99,6 +103,13 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
   };
 }
 
+// Upper bounds that keep the arithmetic on the options in range (sizes in elements, seconds
+// in milliseconds, MiB in bytes, epochs times batches in steps).
+constexpr int64_t kMaxDim = int64_t{1} << 24;
+constexpr int64_t kMaxEpochs = 1000000;
+constexpr double kMaxSeconds = 1e7;  // about 115 days
+constexpr double kMaxBucketMb = 1 << 20;
+
 std::string toml_key(const char* flag) {
   std::string k = flag;
   for (char& ch : k) {
@@ -107,11 +118,22 @@ std::string toml_key(const char* flag) {
   return k;
 }
 
+// "an integer from MIN to MAX": the range of the option's C++ type.
+template <typename T>
+std::string integer_range() {
+  return fmt::format("an integer from {} to {}", std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
+}
+
 template <typename T>
 T integer_value(const toml::node& node, const std::string& where) {
   auto v = node.value_exact<int64_t>();
   DT_CHECK(v.has_value(), "config", "{}: expected an integer", where);
   DT_CHECK(*v >= 0 || std::is_signed_v<T>, "config", "{}: expected a non-negative integer, got {}", where, *v);
+  // A value out of the option's type would wrap around (dp = 4294967297 became 1 process).
+  if constexpr (std::is_signed_v<T>) {
+    DT_CHECK(*v >= std::numeric_limits<T>::min() && *v <= std::numeric_limits<T>::max(), "config",
+             "{}: {} is out of range (expected {})", where, *v, integer_range<T>());
+  }
   return static_cast<T>(*v);
 }
 
@@ -119,7 +141,30 @@ double number_value(const toml::node& node, const std::string& where) {
   if (auto i = node.value_exact<int64_t>()) return static_cast<double>(*i);
   auto v = node.value_exact<double>();
   DT_CHECK(v.has_value(), "config", "{}: expected a number", where);
+  DT_CHECK(std::isfinite(*v), "config", "{}: expected a finite number, got {}", where, *v);
   return *v;
+}
+
+// CLI11 reads integers with strtoll/strtoull: out-of-range values saturate, "-1" becomes
+// 2^64-1 for an unsigned option and "010" is octal. This checks the text first (decimal, whole,
+// in the option's range) and hands CLI11 the canonical decimal.
+template <typename T>
+CLI::Validator integer_flag() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        T v{};
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, v, 10);
+        if (ec == std::errc::result_out_of_range) {
+          return fmt::format("{} is out of range (expected {})", text, integer_range<T>());
+        }
+        if (ec != std::errc() || ptr != end || text.empty()) {
+          return fmt::format("'{}' is not a decimal integer (expected {})", text, integer_range<T>());
+        }
+        text = std::to_string(v);  // what CLI11 converts next: no leading zero for it to read as octal
+        return {};
+      },
+      "");
 }
 
 void assign(const Target& target, const toml::node& node, const std::string& where) {
@@ -135,7 +180,10 @@ void assign(const Target& target, const toml::node& node, const std::string& whe
           DT_CHECK(v.has_value(), "config", "{}: expected true or false", where);
           *p = *v;
         } else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-          *p = static_cast<T>(number_value(node, where));
+          const double v = number_value(node, where);
+          DT_CHECK(std::fabs(v) <= std::numeric_limits<T>::max(), "config",
+                   "{}: {} is out of range (at most {} in magnitude)", where, v, std::numeric_limits<T>::max());
+          *p = static_cast<T>(v);
         } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
           const toml::array* arr = node.as_array();
           DT_CHECK(arr != nullptr, "config", "{}: expected an array of integers such as [1024, 1024]", where);
@@ -165,9 +213,9 @@ void add_train_options(CLI::App& app, TrainConfig& cfg) {
           using T = std::remove_pointer_t<decltype(p)>;
           CLI::Option* opt = nullptr;
           if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
-            opt = app.add_option(flag, *p, spec.help)->delimiter(',')->expected(1, 64);
-          } else if constexpr (std::is_same_v<T, bool>) {
-            opt = app.add_option(flag, *p, spec.help);
+            opt = app.add_option(flag, *p, spec.help)->delimiter(',')->expected(1, 64)->transform(integer_flag<int64_t>());
+          } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+            opt = app.add_option(flag, *p, spec.help)->transform(integer_flag<T>());
           } else {
             opt = app.add_option(flag, *p, spec.help);
           }
@@ -207,6 +255,18 @@ void apply_config_file(CLI::App& app, TrainConfig& cfg) {
 }
 
 void finalize(TrainConfig& c) {
+  // NaN fails every comparison, so a check written as "error if x < 0" lets it through; an
+  // infinity overflows the conversions to milliseconds and bytes. Refused for every option.
+  for (const auto& spec : option_table(c)) {
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_floating_point_v<T>) {
+            DT_CHECK(std::isfinite(*p), "config", "--{} {}: expected a finite number", spec.name, *p);
+          }
+        },
+        spec.target);
+  }
   DT_CHECK(c.model == "mlp" || c.model == "gpt", "config", "--model '{}': expected mlp or gpt", c.model);
   const bool gpt = c.model == "gpt";
   if (c.data.empty()) c.data = gpt ? "text:/usr/share/games/fortunes" : "fashion-mnist";
@@ -225,7 +285,20 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.batch_size > 0, "config", "--batch-size must be positive, got {}", c.batch_size);
   DT_CHECK(c.steps >= 0 && c.epochs >= 0, "config", "--steps {} and --epochs {} must be non-negative", c.steps,
            c.epochs);
+  DT_CHECK(c.epochs <= kMaxEpochs, "config", "--epochs {} is more than {}", c.epochs, kMaxEpochs);
   DT_CHECK(c.lr >= 0.0f, "config", "--lr must be non-negative, got {}", c.lr);
+  DT_CHECK(c.min_lr >= 0.0f, "config", "--min-lr must be non-negative, got {}", c.min_lr);
+  DT_CHECK(c.momentum >= 0.0f && c.momentum < 1.0f, "config", "--momentum {} not in [0, 1)", c.momentum);
+  DT_CHECK(c.weight_decay >= 0.0f, "config", "--weight-decay must be non-negative, got {}", c.weight_decay);
+  DT_CHECK(c.beta1 >= 0.0f && c.beta1 < 1.0f, "config", "--beta1 {} not in [0, 1)", c.beta1);
+  DT_CHECK(c.beta2 >= 0.0f && c.beta2 < 1.0f, "config", "--beta2 {} not in [0, 1)", c.beta2);
+  DT_CHECK(c.eps > 0.0f, "config", "--eps must be positive, got {}", c.eps);
+  DT_CHECK(c.warmup >= 0, "config", "--warmup must be non-negative, got {}", c.warmup);
+  DT_CHECK(c.clip_grad >= 0.0f, "config", "--clip-grad must be non-negative (0 = off), got {}", c.clip_grad);
+  DT_CHECK(c.eval_batches >= 0, "config", "--eval-batches must be non-negative (0 = the whole split), got {}",
+           c.eval_batches);
+  DT_CHECK(c.min_workers >= 0, "config", "--min-workers must be non-negative (0 = never shrink), got {}",
+           c.min_workers);
   DT_CHECK(c.threads >= 1 && c.threads <= 256, "config", "--threads {} out of range [1, 256]", c.threads);
   DT_CHECK(c.log_every >= 1, "config", "--log-every must be at least 1, got {}", c.log_every);
   DT_CHECK(c.dropout >= 0.0f && c.dropout < 1.0f, "config", "--dropout {} not in [0, 1)", c.dropout);
@@ -236,10 +309,13 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.zero >= 0 && c.zero <= 2, "config", "--zero {}: expected 0, 1 or 2", c.zero);
   DT_CHECK(parallel::parse_compression(c.compress).powersgd_rank == 0 || c.zero == 0, "config",
            "--compress {} exchanges whole low-rank gradients: it needs --zero 0", c.compress);
-  DT_CHECK(c.bucket_mb > 0.0, "config", "--bucket-mb must be positive, got {}", c.bucket_mb);
-  DT_CHECK(c.pp >= 1 && c.tp >= 1 && world_size(c) <= 256, "config",
-           "--dp {} x --pp {} x --tp {} = {} processes: each must be at least 1 and the product at most 256", c.dp, c.pp,
-           c.tp, world_size(c));
+  DT_CHECK(c.bucket_mb > 0.0 && c.bucket_mb <= kMaxBucketMb, "config", "--bucket-mb {} not in (0, {}]", c.bucket_mb,
+           kMaxBucketMb);
+  // Each factor bounded first: their product in int wrapped around (65536 x 65536 = 0 passed).
+  const int64_t world = int64_t{c.dp} * std::clamp(c.pp, 0, 257) * std::clamp(c.tp, 0, 257);
+  DT_CHECK(c.pp >= 1 && c.pp <= 256 && c.tp >= 1 && c.tp <= 256 && world <= 256, "config",
+           "--dp {} x --pp {} x --tp {}: each must be at least 1 and the product at most 256 processes", c.dp, c.pp,
+           c.tp);
   DT_CHECK(c.micro_batches >= 1, "config", "--micro-batches must be at least 1, got {}", c.micro_batches);
   DT_CHECK(c.micro_batches == 1 || c.pp > 1, "config",
            "--micro-batches {} needs pipeline stages (--pp 2 or more); without them use --accumulate",
@@ -247,11 +323,13 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.schedule == "gpipe" || c.schedule == "1f1b", "config", "--schedule '{}': expected gpipe or 1f1b",
            c.schedule);
   DT_CHECK(c.memory_limit >= 0, "config", "--memory-limit must be non-negative, got {}", c.memory_limit);
-  const int64_t per_step = c.dp * c.accumulate * c.micro_batches;
-  DT_CHECK(c.batch_size % per_step == 0, "config",
+  int64_t per_step = 0;
+  const bool huge = __builtin_mul_overflow(int64_t{c.dp}, c.accumulate, &per_step) ||
+                    __builtin_mul_overflow(per_step, c.micro_batches, &per_step);
+  DT_CHECK(!huge && c.batch_size % per_step == 0, "config",
            "--batch-size {} is not divisible by --dp {} x --accumulate {} x --micro-batches {} = {}: every rank and "
            "micro-batch must get the same number of samples",
-           c.batch_size, c.dp, c.accumulate, c.micro_batches, per_step);
+           c.batch_size, c.dp, c.accumulate, c.micro_batches, huge ? std::string("more than 2^63") : std::to_string(per_step));
   const int64_t blocks = model_blocks(c);
   DT_CHECK(c.pp <= blocks, "config", "--pp {} stages but the {} model has only {} blocks to cut between", c.pp,
            c.model, blocks);
@@ -260,8 +338,7 @@ void finalize(TrainConfig& c) {
              c.tp, c.model);
     DT_CHECK(c.heads % c.tp == 0, "config", "--heads {} is not divisible by --tp {}: each rank takes whole heads",
              c.heads, c.tp);
-    DT_CHECK((4 * c.width) % c.tp == 0 && c.width % c.tp == 0, "config",
-             "--width {} is not divisible by --tp {}", c.width, c.tp);
+    DT_CHECK(c.width % c.tp == 0, "config", "--width {} is not divisible by --tp {}", c.width, c.tp);
   }
   DT_CHECK(c.checkpoint_every >= 0 && c.keep >= 1 && c.max_restarts >= 0, "config",
            "--checkpoint-every {}, --keep {}, --max-restarts {}: expected >= 0, >= 1, >= 0", c.checkpoint_every, c.keep,
@@ -275,9 +352,12 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.backend != "mpi" || (c.max_restarts == 0 && c.min_workers == 0), "config",
            "--backend mpi: restarts and elastic worlds need dtrain's launcher (mpirun starts the ranks once); use the "
            "default backend with --max-restarts / --min-workers");
-  DT_CHECK(c.timeout > 0.0 && c.heartbeat_timeout >= 0.0, "config",
-           "--timeout {} must be positive and --heartbeat-timeout {} non-negative (seconds)", c.timeout,
-           c.heartbeat_timeout);
+  // Both become milliseconds: a positive timeout must be at least one, and neither may overflow.
+  DT_CHECK(c.timeout >= 0.001 && c.timeout <= kMaxSeconds, "config", "--timeout {} not in [0.001, {}] (seconds)",
+           c.timeout, kMaxSeconds);
+  DT_CHECK(c.heartbeat_timeout == 0.0 || (c.heartbeat_timeout >= 0.001 && c.heartbeat_timeout <= kMaxSeconds),
+           "config", "--heartbeat-timeout {}: expected 0 (off) or [0.001, {}] (seconds)", c.heartbeat_timeout,
+           kMaxSeconds);
   DT_CHECK(c.max_restarts == 0 || !c.checkpoint_dir.empty(), "config",
            "--max-restarts {} needs --checkpoint-dir (a restart resumes from the last checkpoint)", c.max_restarts);
   DT_CHECK(c.zero == 0 || c.dp > 1, "config", "--zero {} shards over data-parallel ranks: it needs --dp 2 or more",
@@ -286,9 +366,14 @@ void finalize(TrainConfig& c) {
     DT_CHECK(c.layers > 0 && c.width > 0 && c.seq_len > 0 && c.heads > 0, "config",
              "--layers {}, --width {}, --seq-len {}, --heads {} must be positive", c.layers, c.width, c.seq_len,
              c.heads);
+    DT_CHECK(c.layers <= kMaxDim && c.width <= kMaxDim && c.seq_len <= kMaxDim && c.heads <= kMaxDim, "config",
+             "--layers {}, --width {}, --seq-len {}, --heads {}: each must be at most {}", c.layers, c.width,
+             c.seq_len, c.heads, kMaxDim);
     DT_CHECK(c.width % c.heads == 0, "config", "--width {} is not divisible by --heads {}", c.width, c.heads);
   } else {
-    for (int64_t h : c.hidden) DT_CHECK(h > 0, "config", "--hidden width {} must be positive", h);
+    for (int64_t h : c.hidden) {
+      DT_CHECK(h > 0 && h <= kMaxDim, "config", "--hidden width {} not in [1, {}]", h, kMaxDim);
+    }
   }
 }
 

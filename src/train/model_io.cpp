@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -114,9 +115,33 @@ void save_model(const std::string& path, const ModelFile& file) { write_file_ato
 
 
 ModelFile load_model(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DT_CHECK(in.good(), "model", "{}: cannot open: {}", path, std::strerror(errno));
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // O_NONBLOCK: a FIFO at `path` must not block the open; anything but a regular file is
+  // refused by name (an ifstream on a directory failed with "basic_filebuf::underflow").
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  DT_CHECK(fd >= 0, "model", "{}: cannot open: {}", path, std::strerror(errno));
+  std::string bytes;
+  try {
+    struct stat st {};
+    DT_CHECK(::fstat(fd, &st) == 0, "model", "{}: cannot stat: {}", path, std::strerror(errno));
+    DT_CHECK(!S_ISDIR(st.st_mode), "model", "{}: is a directory, not a model file", path);
+    DT_CHECK(S_ISREG(st.st_mode), "model", "{}: not a regular file, not a model file", path);
+    (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    bytes.resize(static_cast<size_t>(st.st_size) + 1);  // + 1: the end shows as a read of 0 without growing
+    size_t done = 0;
+    while (true) {
+      if (done == bytes.size()) bytes.resize(done + 65536);  // the file grew, or st_size was 0
+      const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      DT_CHECK(n >= 0, "model", "{}: read failed: {}", path, std::strerror(errno));
+      if (n == 0) break;
+      done += static_cast<size_t>(n);
+    }
+    bytes.resize(done);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
   return decode_model(bytes, path);
 }
 

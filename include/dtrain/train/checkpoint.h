@@ -7,9 +7,14 @@
 // manifest only after every rank's file is in place, so the manifest is the commit point: a
 // step directory without a valid manifest is incomplete and never loaded.
 //
-// Loading takes the newest step whose manifest parses and whose files all match their
-// checksums; a damaged or incomplete newer one is skipped with a warning that names the damage.
-// The layout (dp, pp, tp, zero, model) must match the run's (resharding comes later).
+// Loading takes the newest step whose manifest parses, has every field of the type it is read
+// as, and whose files all match their checksums; a damaged or incomplete newer one is skipped
+// with a warning that names the damage and the file. The model, optimizer and tp must match the
+// run's; the data-parallel and pipeline layout may change.
+//
+// DIR/.lock belongs to the run that writes DIR: its lead rank holds an exclusive flock on it
+// (and has written its pid there) for the Checkpointer's lifetime, so a second run on the same
+// directory is refused at start; the kernel releases it when the process ends, killed or not.
 #pragma once
 
 #include <cstdint>
@@ -49,7 +54,10 @@ struct CheckpointFound {
 
 class Checkpointer {
  public:
-  /// `world` may be null (one process). `layout` goes into every manifest (JSON object).
+  /// Collective. `world` may be null (one process). `layout` goes into every manifest (JSON
+  /// object; its dp, pp and tp are integers). Creates `dir` when it does not exist; throws
+  /// dtrain::Error naming it when it is not a directory, cannot be listed or written, or (rank
+  /// 0) is locked by another run.
   Checkpointer(std::string dir, int keep, comm::Group* world, nlohmann::json layout);
 
   ~Checkpointer();
@@ -84,6 +92,8 @@ class Checkpointer {
   };
   std::string write_shard(const CheckpointShard& shard) const;
   void commit(int64_t step, const std::string& sum);
+  void open_dir(bool lead);  // creates, lists and probes the directory; `lead` takes the lock
+  void close_lock();
 
   std::string dir_;
   int keep_;
@@ -91,6 +101,7 @@ class Checkpointer {
   nlohmann::json layout_;
   std::unique_ptr<Pending> pending_;
   std::set<int64_t> verified_;  // rank 0: complete steps of this layout, known without rereading
+  int lock_fd_ = -1;            // rank 0: DIR/.lock, flocked
 };
 
 /// A file a manifest lists.
@@ -99,12 +110,14 @@ struct ManifestFile {
   std::string sha256;
 };
 /// Checks a manifest's text for `step` and a layout that agrees with `compatible` on its keys;
-/// empty when valid (and fills `files` and `layout`), else what is wrong. Never throws on
-/// malformed input.
+/// empty when valid (and fills `files` and `layout`), else what is wrong. Valid means: every
+/// field of the type it is read as, layout dp, pp and tp integers in [1, 256], and one file per
+/// rank, in rank order, named rank-R.dtm. Never throws on malformed input.
 std::string parse_manifest(const std::string& text, int64_t step, const nlohmann::json& compatible,
                            std::vector<ManifestFile>* files, nlohmann::json* layout = nullptr);
 
-/// Step directories under `dir`, newest first (for tools and tests).
+/// Step directories under `dir`, newest first (for tools and tests); none when `dir` does not
+/// exist. Throws dtrain::Error naming `dir` when it cannot be listed.
 std::vector<int64_t> checkpoint_steps(const std::string& dir);
 /// Checks one step's manifest and files; empty when complete, else what is wrong.
 std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& compatible,

@@ -78,12 +78,14 @@ struct TrainConfig {
 /// Registers every training option on `app` (a CLI11 subcommand) bound to `cfg`.
 void add_train_options(CLI::App& app, TrainConfig& cfg);
 /// Reads cfg.config_file (TOML) into the fields whose flags were not given on the command
-/// line. Unknown keys and values of the wrong type are errors naming the file and key.
+/// line. Unknown keys, values of the wrong type, integers out of the option's type and
+/// non-finite numbers are errors naming the file, key and value.
 void apply_config_file(CLI::App& app, TrainConfig& cfg);
 /// Fills model-dependent defaults (data set) and checks ranges and the parallel layout (before
-/// any process starts); throws dtrain::Error.
+/// any process starts): every number finite, every option in its meaningful range, dp x pp x tp
+/// at most 256; throws dtrain::Error naming the option and its value.
 void finalize(TrainConfig& cfg);
-/// Processes the run needs: dp x pp x tp.
+/// Processes the run needs: dp x pp x tp (after finalize(), which bounds it to 256).
 inline int world_size(const TrainConfig& cfg) { return cfg.dp * cfg.pp * cfg.tp; }
 /// Blocks of the configured model (the units pipeline stages are cut between).
 int64_t model_blocks(const TrainConfig& cfg);
