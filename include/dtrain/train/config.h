@@ -61,7 +61,7 @@ struct TrainConfig {
   double timeout = 300.0;         // seconds a collective or point-to-point call may wait
   std::string backend = "auto";   // auto | shm | tcp | mpi (a job started by mpirun or srun)
   double heartbeat_timeout = 10.0;  // seconds without a rank's heartbeat before the job stops (0: off)
-  std::string trace;          // Chrome/Perfetto trace file (rank r writes FILE with .rank<r> before .json)
+  std::string trace;          // Chrome/Perfetto trace file (rank 0 gathers every rank's events and writes it)
   // run
   uint64_t seed = 0;
   int threads = 1;
