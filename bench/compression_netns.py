@@ -13,6 +13,7 @@ Results: bench/results/compression_netns.json.
 import argparse
 import json
 import os
+import secrets
 import statistics
 import tempfile
 
@@ -30,7 +31,7 @@ def run(args, tmp, codec, k):
               "$MASTER_ADDR", "--master-port", "29611", "-n", "1", "--"] + train
     cmd = [os.path.join(ROOT, "scripts/netns-cluster"), "--hosts", str(args.hosts), "--rate", args.rate, "--", "sh",
            "-c", " ".join(launch)]
-    return final_record(cmd, metrics, codec, env=dict(os.environ, DTRAIN_SECRET="compression-netns-bench"))
+    return final_record(cmd, metrics, codec, env=dict(os.environ, DTRAIN_SECRET=secrets.token_hex(32)))
 
 
 def main():

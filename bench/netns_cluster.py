@@ -22,6 +22,7 @@ Results: bench/results/netns_cluster.json.
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def cluster(args, worker, port):
 
 
 def env(extra=None):
-    e = dict(os.environ, DTRAIN_SECRET="netns-cluster-bench")
+    e = dict(os.environ, DTRAIN_SECRET=secrets.token_hex(32))
     e.update(extra or {})
     return e
 

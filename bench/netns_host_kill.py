@@ -15,6 +15,7 @@ with the fault-free run of the full world (`dtrain diff`, target 1e-5 relative).
 import argparse
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,8 @@ def main():
         launch = [args.dtrain, "launch", "--nnodes", f"2:{args.hosts}", "-n", "1", "--node-rank", "$HOST",
                   "--master-addr", "$MASTER_ADDR", "--master-port", "29620", "--last-call", "2", "--max-restarts", "2",
                   "--"] + work
-        env = dict(os.environ, DTRAIN_SECRET="netns-host-kill", DTRAIN_FAULT="delay:rank=0:step=20:ms=60000:attempt=0")
+        env = dict(os.environ, DTRAIN_SECRET=secrets.token_hex(32),
+                   DTRAIN_FAULT="delay:rank=0:step=20:ms=60000:attempt=0")
         cmd = [os.path.join(ROOT, "scripts/netns-cluster"), "--hosts", str(args.hosts), "--rate", args.rate, "--name",
                "dhk", "--", "sh", "-c", " ".join(launch)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -15,6 +15,7 @@ Prints config | predicted ms | measured ms | error % and exits 1 when any error 
 import argparse
 import json
 import os
+import secrets
 import shlex
 import statistics
 import subprocess
@@ -196,7 +197,7 @@ def measure(args, name, hosts, rate, train_args, tmp, port):
                   "$MASTER_ADDR", "--master-port", str(port), "-n", str(world // hosts), "--"] + train
         cmd = [os.path.join(ROOT, "scripts/netns-cluster"), "--hosts", str(hosts), "--rate", rate, "--name",
                f"pv{os.getpid() % 10000}", "--", "sh", "-c", " ".join(launch)]
-        env = dict(os.environ, DTRAIN_SECRET="plan-validate")
+        env = dict(os.environ, DTRAIN_SECRET=secrets.token_hex(32))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         sys.exit(f"{name}: training failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-3000:]}{r.stderr[-3000:]}")

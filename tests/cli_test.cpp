@@ -509,7 +509,7 @@ TEST_F(Cli, AnElasticJobShrinksWhenANodeLeavesAndGrowsWhenItReturns) {
                           "--progress=false --log-every 4";
   ProcessResult ref = dtrain(mlp + " --dp 4 --save " + path("ref.dtm"));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  ::setenv("DTRAIN_SECRET", "elastic-test-secret", 1);
+  ::setenv("DTRAIN_SECRET", "d93cce28a60d3493032702df14dff10fe69403b0b57f02bd7148e57957a4717a", 1);
   ::setenv("DTRAIN_FAULT", "delay:rank=0:step=10:ms=60000:attempt=0,delay:rank=0:step=14:ms=60000:attempt=1", 1);
   const std::string agent = "launch --nnodes 1:2 -n 2 --master-port " + std::to_string(free_port()) +
                             " --last-call 1 --max-restarts 3 --node-rank ";
@@ -569,7 +569,7 @@ TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
                                " launch --nnodes 2 --node-rank $HOST --master-addr $MASTER_ADDR --master-port 29613 "
                                "-n 1 -- " +
                                DTRAIN_BINARY + " " + mlp + " --compress " + compress + " --save " + out;
-    const std::string cmd = "DTRAIN_SECRET=netns-test timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
+    const std::string cmd = "DTRAIN_SECRET=5cf5bfceb6372fdcea17dc1ee2d9026d2f92c9b2c4686758faef73b956979823 timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
                             "/scripts/netns-cluster --hosts 2 --rate 1gbit --name " + cluster + " -- sh -c '" + launch + "' 2>&1";
     const ProcessResult r = run_shell(cmd);
     ASSERT_EQ(r.code, 0) << compress << ": " << r.output;
@@ -585,7 +585,7 @@ TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
   const std::string launch = std::string(DTRAIN_BINARY) +
                              " launch --nnodes 2 --node-rank $HOST --master-addr $MASTER_ADDR --master-port 29614 "
                              "-n 2 -- " + DTRAIN_BINARY + " " + dp4 + " --save " + path("hosts-dp4.dtm");
-  const ProcessResult r = run_shell("DTRAIN_SECRET=netns-test timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
+  const ProcessResult r = run_shell("DTRAIN_SECRET=5cf5bfceb6372fdcea17dc1ee2d9026d2f92c9b2c4686758faef73b956979823 timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
                                     "/scripts/netns-cluster --hosts 2 --rate 1gbit --name " + cluster + " -- sh -c '" +
                                     launch + "' 2>&1");
   ASSERT_EQ(r.code, 0) << r.output;

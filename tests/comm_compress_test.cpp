@@ -433,7 +433,7 @@ class CompressCollectives : public ::testing::TestWithParam<CollParam> {
   GroupOptions options() const {
     GroupOptions o = test_util::quick_options();
     o.transport = GetParam().transport;
-    o.secret = "compress-test-secret";
+    o.secret = "cee54bc46f20de5332ef2051a994940f9e62f4e6397828ade51e654f7081ed71";
     return o;
   }
 };

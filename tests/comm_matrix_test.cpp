@@ -349,7 +349,7 @@ TEST_P(HierarchicalAllReduce, EveryDtypeAndOpIsExactOnEveryRank) {
       [&](int r) {
         GroupOptions o;
         o.timeout = std::chrono::seconds(60);
-        o.secret = "hier-test-secret";
+        o.secret = "8202ba45e1491e68cf0b9d2ef0bb76666a56e78505349969800e015b93ea291d";
         o.host_id = fmt::format("host{}", r % hosts);
         o.algorithm = Algorithm::hierarchical;  // at every size (auto takes it from 64 KiB)
         return o;
@@ -372,7 +372,7 @@ TEST(HierarchicalAllReduceChoice, AutoTakesItFrom64KiBAndOneHostSplitsUseShm) {
       [](int r) {
         GroupOptions o;
         o.timeout = std::chrono::seconds(60);
-        o.secret = "hier-test-secret";
+        o.secret = "8202ba45e1491e68cf0b9d2ef0bb76666a56e78505349969800e015b93ea291d";
         o.host_id = fmt::format("host{}", r % 2);
         return o;
       });

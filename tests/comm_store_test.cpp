@@ -622,7 +622,7 @@ TEST_F(TcpStoreTest, DestructorReturnsPromptlyWithClientsConnected) {
 
 // A port that was free a moment ago (ephemeral ports are not reused at once).
 uint16_t free_port() {
-  dc::TcpStoreServer probe("127.0.0.1", 0, "probe");
+  dc::TcpStoreServer probe("127.0.0.1", 0, dc::make_secret());
   return probe.port();
 }
 
@@ -643,7 +643,7 @@ TEST(TcpStoreConnectTest, TimesOutNamingTheEndpoint) {
   const uint16_t port = free_port();
   const auto start = dc::Clock::now();
   try {
-    dc::connect_tcp_store("127.0.0.1", port, "secret", 300ms);
+    dc::connect_tcp_store("127.0.0.1", port, dc::make_secret(), 300ms);
     FAIL() << "connected to a port nobody listens on";
   } catch (const dc::CommError& e) {
     const std::string what = e.what();
@@ -655,9 +655,10 @@ TEST(TcpStoreConnectTest, TimesOutNamingTheEndpoint) {
 }
 
 TEST(TcpStoreConnectTest, BindingATakenPortThrowsCommError) {
-  dc::TcpStoreServer first("127.0.0.1", 0, "s");
+  const std::string secret = dc::make_secret();
+  dc::TcpStoreServer first("127.0.0.1", 0, secret);
   try {
-    dc::TcpStoreServer second("127.0.0.1", first.port(), "s");
+    dc::TcpStoreServer second("127.0.0.1", first.port(), secret);
     FAIL() << "two servers bound one port";
   } catch (const dc::CommError& e) {
     EXPECT_NE(std::string(e.what()).find("Address already in use"), std::string::npos) << e.what();

@@ -40,7 +40,7 @@ using Kind = TransportError::Kind;
 // Generous bounds for what must succeed (a loaded 2-core machine), tight ones for failures.
 constexpr Duration kRendezvousTimeout = 20000ms;
 constexpr Duration kWaitTimeout = 20000ms;
-const std::string kSecret = "tcp-test-secret";
+const std::string kSecret = "1c3bb001f5158726072c1ffaa155ff16ae8abb2164296417592a6791d7c44922";  // strong: see comm::check_secret
 
 std::string test_prefix(const std::string& what) {
   static std::atomic<int> counter{0};
@@ -574,7 +574,7 @@ TEST(CommTcpTransport, WrongSecretIsRefusedOnBothSides) {
       const auto start = Clock::now();
       try {
         // Rank 0 could wait 10 s: it must hear the refusal long before. Rank 1 waits 1.5 s.
-        connect(*store, prefix, r, 2, r == 0 ? "the-right-secret" : "another-secret", r == 0 ? 10000ms : 1500ms);
+        connect(*store, prefix, r, 2, r == 0 ? "5ee30c0229ab532b585dd4dbc335e4a20b7a640ff77c52f6de7cea30da00d5e3" : "2e75d2843225c8bd225723ef536051b6a4cb5e91a6fd35c64574cb398ad5bfa1", r == 0 ? 10000ms : 1500ms);
         ADD_FAILURE() << "rank " << r << " connected with a different secret";
       } catch (const TransportError& e) {
         errors[r] = e.what();
@@ -750,7 +750,7 @@ INSTANTIATE_TEST_SUITE_P(CommTcp, TcpGroup, ::testing::Range(1, 9),
 
 TEST(CommTcpGroupOptions, EnvironmentChoosesTcpAndSuppliesTheSecret) {
   ::setenv("DTRAIN_TRANSPORT", "tcp", 1);
-  ::setenv("DTRAIN_SECRET", "secret-from-the-environment", 1);
+  ::setenv("DTRAIN_SECRET", "ee0a2c207b0b944442ee484f74c11eab1c818ce044368d708cc813e858668f31", 1);
   GroupOptions opts;  // transport "auto", no secret
   opts.timeout = kWaitTimeout;
   EXPECT_NO_THROW(run_ranks(

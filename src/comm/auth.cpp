@@ -70,4 +70,52 @@ std::string make_secret() {
   return auth::to_hex(bytes, sizeof(bytes));
 }
 
+namespace {
+
+// What makes `secret` fail the rule of check_secret, or "" when it passes. Never quotes it.
+//
+// Why these numbers: 32 random hex digits are 128 bits. Fewer than 6 different characters
+// among 32 random hex digits happens with probability 1e-16, a smallest period of at most half
+// the length (for 32 characters) 1e-19; a word, "aaaa..." or "abcabc..." fails at once.
+std::string secret_weakness(std::string_view s) {
+  if (s.empty()) return "it is empty";
+  if (s.size() < kMinSecretChars) {
+    return fmt::format("it has {} character{}, fewer than {}", s.size(), s.size() == 1 ? "" : "s", kMinSecretChars);
+  }
+  bool seen[256] = {};
+  size_t distinct = 0;
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (!seen[c]) ++distinct;
+    seen[c] = true;
+  }
+  if (distinct < kMinSecretDistinct) {
+    return fmt::format("it uses only {} different character{}, fewer than {}", distinct, distinct == 1 ? "" : "s",
+                       kMinSecretDistinct);
+  }
+  // The smallest period, from the prefix function (border lengths): n - border(n).
+  std::vector<size_t> border(s.size(), 0);
+  for (size_t i = 1; i < s.size(); ++i) {
+    size_t k = border[i - 1];
+    while (k > 0 && s[i] != s[k]) k = border[k - 1];
+    if (s[i] == s[k]) ++k;
+    border[i] = k;
+  }
+  const size_t period = s.size() - border.back();
+  if (2 * period <= s.size()) return fmt::format("it repeats its first {} characters", period);
+  return "";
+}
+
+}  // namespace
+
+void check_secret(std::string_view secret, std::string_view where) {
+  const std::string why = secret_weakness(secret);
+  if (why.empty()) return;
+  DT_THROW("comm",
+           "{}: the job secret is too weak: {}. A job secret needs at least 128 bits of entropy; dtrain asks for at "
+           "least {} characters, {} different ones, not a shorter string repeated, and it should be random. Make one "
+           "with: export DTRAIN_SECRET=$(openssl rand -hex 32)",
+           where, why, kMinSecretChars, kMinSecretDistinct);
+}
+
 }  // namespace dtrain::comm

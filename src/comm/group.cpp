@@ -729,12 +729,14 @@ Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptio
     impl->transport = make_mpi_transport(*store, name, rank, size, options.timeout);
   } else {
     std::string secret = options.secret;
-    if (secret.empty()) {
+    const bool from_env = secret.empty();
+    if (from_env) {
       const char* env = std::getenv("DTRAIN_SECRET");
       secret = env != nullptr ? env : "";
     }
     DT_CHECK(!secret.empty(), "comm",
              "group '{}': the tcp transport needs the job secret (GroupOptions::secret or DTRAIN_SECRET)", name);
+    check_secret(secret, fmt::format("group '{}': {}", name, from_env ? "DTRAIN_SECRET" : "GroupOptions::secret"));
     const std::string bind = options.bind_address.empty() ? "127.0.0.1" : options.bind_address;
     DT_CHECK(same_host || !is_loopback(bind) || !options.host_id.empty(), "comm",
              "group '{}': ranks span several hosts but rank {} would publish the loopback address {}; set "

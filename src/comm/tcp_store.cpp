@@ -1,10 +1,13 @@
 // TcpStore: the rendezvous store served over TCP (server thread + client), wire format in net.h.
 //
 // Server: one thread polls the listening socket, an eventfd (to stop it) and every client
-// socket (non-blocking). A connection goes through two phases:
+// socket (non-blocking). A connection goes through three phases:
+//   wait   accepted, not greeted yet: only while its host is throttled after failed
+//          authentications (store_guard.h); any data or EOF now is refused.
 //   auth   the server sent the greeting with a fresh challenge; it reads exactly the 32-byte
 //          HMAC answer, within kAuthTimeout. A wrong answer gets the refusal byte and is
-//          closed; anything else (early data, EOF, timeout) is closed. Both count as rejected.
+//          closed; anything else (early data, EOF, timeout) is closed. Both count as rejected
+//          and as failures of the peer's host.
 //   ready  frames are decoded strictly, one request at a time per connection. A get or wait
 //          whose keys are missing parks the connection on a waiter (its deadline is the
 //          client's timeout); later requests from it stay buffered until the waiter resolves.
@@ -29,6 +32,7 @@
 #include "dtrain/comm/store.h"
 #include "dtrain/core/log.h"
 #include "net.h"
+#include "store_guard.h"
 
 namespace dtrain::comm {
 
@@ -67,9 +71,16 @@ struct Waiter {
   Deadline deadline;
 };
 
+// Why a connection is refused: a failed authentication (charged to its host: it could be a
+// guess), no room for another handshake (the server's load, not the host's doing: a large job
+// starting), or an authenticated client's malformed request.
+enum class Refusal { failed_auth, no_room, bad_request };
+
 struct Conn {
   net::Fd fd;
   std::string peer;
+  std::string host;  // store_guard::peer_host: what failures are charged to
+  bool greeted = false;
   bool authenticated = false;
   auth::Challenge challenge{};
   Deadline auth_deadline{};
@@ -97,7 +108,10 @@ struct TcpStoreServer::Impl {
   // Touched only by the server thread.
   std::unordered_map<std::string, std::string> data;
   std::vector<std::unique_ptr<Conn>> conns;
-  size_t unauthenticated = 0;
+  size_t unauthenticated = 0;  // greeted or waiting for the greeting
+  std::unordered_map<std::string, size_t> waiting;  // connections waiting for their greeting, by host
+  store_guard::GreetingThrottle throttle;
+  store_guard::RejectionLog rejections;
   bool dirty = false;  // a key changed since waiters were last checked
   Deadline accept_paused_until{};
   std::string read_buffer;
@@ -107,6 +121,9 @@ struct TcpStoreServer::Impl {
   void run();
   void loop();
   void accept_all();
+  void greet(Conn& c, Deadline now);
+  void greet_waiting(Deadline now);
+  void count_refusal(const std::string& peer, const std::string& host, const std::string& reason, Refusal why);
   size_t read_limit(const Conn& c) const;
   bool wants_read(const Conn& c) const {
     return !c.eof && !c.closed && !c.close_after_flush && c.in.size() < read_limit(c);
@@ -125,6 +142,7 @@ struct TcpStoreServer::Impl {
 TcpStoreServer::TcpStoreServer(const std::string& bind_address, uint16_t port, std::string secret)
     : impl_(std::make_unique<Impl>()) {
   DT_CHECK(!secret.empty(), "comm", "TcpStoreServer: the job secret is empty (use make_secret())");
+  check_secret(secret, "TcpStoreServer");
   impl_->secret = std::move(secret);
   const std::string host = bind_address.empty() ? "127.0.0.1" : bind_address;
   try {
@@ -134,6 +152,7 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_address, uint16_t port, s
     throw CommError("store.serve", 0, {}, e.message(), __FILE__, __LINE__);
   }
   impl_->where = net::endpoint(host, impl_->port);
+  impl_->rejections = store_guard::RejectionLog(impl_->where);
   impl_->read_buffer.resize(kReadChunk);
   impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
 }
@@ -153,6 +172,7 @@ void TcpStoreServer::Impl::run() {
   } catch (const std::exception& e) {
     DT_LOG_ERROR("[comm] store {}: server stopped: {}", where, e.what());
   }
+  rejections.flush(Clock::now(), /*force=*/true);
   // Close every socket: clients see EOF (or a refused connect) instead of waiting for their timeout.
   conns.clear();
   listener.reset();
@@ -172,9 +192,11 @@ void TcpStoreServer::Impl::loop() {
       if (wants_read(*c)) events |= POLLIN;
       if (c->pending_out() > 0) events |= POLLOUT;
       fds.push_back({c->fd.get(), events, 0});
-      if (!c->authenticated) next = std::min(next, c->auth_deadline);
+      if (!c->greeted) next = std::min(next, throttle.next_greeting(c->host, now));
+      if (c->greeted && !c->authenticated) next = std::min(next, c->auth_deadline);
       if (c->waiter) next = std::min(next, c->waiter->deadline);
     }
+    next = std::min(next, rejections.next_flush());
     int timeout_ms = -1;
     if (next != Deadline::max()) {
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(next - now).count();
@@ -197,12 +219,14 @@ void TcpStoreServer::Impl::loop() {
     }
     if ((fds[1].revents & POLLIN) != 0) accept_all();
 
-    // Expire deadlines, then run buffered requests and wake satisfied waiters until nothing
-    // changes (a set wakes waiters whose replies unblock more buffered requests).
+    // Greet the connections whose turn came, expire deadlines, then run buffered requests and
+    // wake satisfied waiters until nothing changes (a set wakes waiters whose replies unblock
+    // more buffered requests).
     const Deadline after = Clock::now();
+    greet_waiting(after);
     for (const auto& c : conns) {
       if (c->closed) continue;
-      if (!c->authenticated && after >= c->auth_deadline) {
+      if (c->greeted && !c->authenticated && after >= c->auth_deadline) {
         reject(*c, "authentication timed out");
       } else if (c->waiter && after >= c->waiter->deadline) {
         resolve_waiter(*c, /*expired=*/true);
@@ -218,6 +242,7 @@ void TcpStoreServer::Impl::loop() {
       }
     }
     std::erase_if(conns, [](const std::unique_ptr<Conn>& c) { return c->closed; });
+    rejections.flush(Clock::now());
   }
 }
 
@@ -234,32 +259,74 @@ void TcpStoreServer::Impl::accept_all() {
       return;
     }
     net::Fd sock(fd);
+    std::string host = store_guard::peer_host(fd);
     if (unauthenticated >= kMaxUnauthenticated) {
-      rejected.fetch_add(1);
-      DT_LOG_WARN("[comm] store {}: rejected {}: {} connections are already authenticating", where, net::peer_name(fd),
-                  kMaxUnauthenticated);
+      count_refusal(net::peer_name(fd), host,
+                    fmt::format("{} connections are already authenticating", kMaxUnauthenticated), Refusal::no_room);
+      continue;
+    }
+    if (auto it = waiting.find(host); it != waiting.end() && it->second >= store_guard::kMaxWaitingPerHost) {
+      count_refusal(net::peer_name(fd), host,
+                    fmt::format("{} connections of {} already wait for their greeting (throttled after failed "
+                                "authentications)",
+                                it->second, host),
+                    Refusal::no_room);
       continue;
     }
     auto c = std::make_unique<Conn>();
     c->peer = net::peer_name(fd);
+    c->host = std::move(host);
     c->fd = std::move(sock);
     try {
       net::set_nodelay(c->fd.get());
     } catch (const net::NetError&) {
       continue;  // the peer already vanished
     }
-    c->challenge = auth::make_challenge();
-    c->auth_deadline = Clock::now() + kAuthTimeout;
-    c->out.append(wire::kGreetingMagic, sizeof(wire::kGreetingMagic));
-    net::put_u8(c->out, wire::kVersion);
-    c->out.append(reinterpret_cast<const char*>(c->challenge.data()), c->challenge.size());
     ++unauthenticated;
-    flush(*c);
+    const Deadline now = Clock::now();
+    if (throttle.may_greet(c->host, now)) {
+      greet(*c, now);
+    } else {
+      ++waiting[c->host];
+    }
     conns.push_back(std::move(c));
   }
 }
 
+void TcpStoreServer::Impl::greet(Conn& c, Deadline now) {
+  c.greeted = true;
+  c.challenge = auth::make_challenge();
+  c.auth_deadline = now + kAuthTimeout;
+  c.out.append(wire::kGreetingMagic, sizeof(wire::kGreetingMagic));
+  net::put_u8(c.out, wire::kVersion);
+  c.out.append(reinterpret_cast<const char*>(c.challenge.data()), c.challenge.size());
+  flush(c);
+}
+
+// In arrival order: at most one connection per throttled host each spacing.
+void TcpStoreServer::Impl::greet_waiting(Deadline now) {
+  if (waiting.empty()) return;
+  for (const auto& c : conns) {
+    if (c->closed || c->greeted || !throttle.may_greet(c->host, now)) continue;
+    auto it = waiting.find(c->host);
+    if (--it->second == 0) waiting.erase(it);
+    greet(*c, now);
+  }
+}
+
+// A refused connection: counted, charged to its host when it failed authentication, logged
+// in bounded form.
+void TcpStoreServer::Impl::count_refusal(const std::string& peer, const std::string& host, const std::string& reason,
+                                         Refusal why) {
+  rejected.fetch_add(1);
+  const Deadline now = Clock::now();
+  if (why == Refusal::failed_auth) throttle.failed(host, now);
+  rejections.note(peer, host, reason, why != Refusal::bad_request,
+                  throttle.spacing(host, now) > Duration::zero() ? host : "", now);
+}
+
 size_t TcpStoreServer::Impl::read_limit(const Conn& c) const {
+  if (!c.greeted) return 1;  // any byte before the greeting is a protocol error
   // One byte past the answer reveals data sent before the verdict.
   if (!c.authenticated) return auth::kMacBytes + 1;
   if (c.waiter || c.pending_out() > 0) return kBacklogBytes;
@@ -328,6 +395,14 @@ void TcpStoreServer::Impl::progress(Conn& c) {
     flush(c);
     return;
   }
+  if (!c.greeted) {
+    if (!c.in.empty()) {
+      reject(c, "data sent before the greeting");
+    } else if (c.eof) {
+      reject(c, "connection closed before the greeting");
+    }
+    return;
+  }
   if (!c.authenticated) {
     if (c.in.size() > auth::kMacBytes) {
       reject(c, "data sent before authentication completed");
@@ -336,8 +411,7 @@ void TcpStoreServer::Impl::progress(Conn& c) {
     if (c.in.size() == auth::kMacBytes) {
       if (!auth::verify_answer(secret, wire::kAuthContext, c.challenge, reinterpret_cast<const uint8_t*>(c.in.data()),
                                c.in.size())) {
-        rejected.fetch_add(1);
-        DT_LOG_WARN("[comm] store {}: rejected {}: wrong authentication answer (different job secret?)", where, c.peer);
+        count_refusal(c.peer, c.host, "wrong authentication answer (different job secret?)", Refusal::failed_auth);
         net::put_u8(c.out, wire::kAuthRefused);
         c.close_after_flush = true;
         flush(c);
@@ -480,8 +554,7 @@ bool TcpStoreServer::Impl::resolve_waiter(Conn& c, bool expired) {
 void TcpStoreServer::Impl::reject(Conn& c, const std::string& reason) {
   if (c.closed) return;
   if (!c.close_after_flush) {  // a refused answer was counted already
-    rejected.fetch_add(1);
-    DT_LOG_WARN("[comm] store {}: rejected {}: {}", where, c.peer, reason);
+    count_refusal(c.peer, c.host, reason, c.authenticated ? Refusal::bad_request : Refusal::failed_auth);
   }
   close(c);
 }
@@ -489,6 +562,10 @@ void TcpStoreServer::Impl::reject(Conn& c, const std::string& reason) {
 void TcpStoreServer::Impl::close(Conn& c) {
   if (c.closed) return;
   if (!c.authenticated) --unauthenticated;
+  if (!c.greeted) {
+    auto it = waiting.find(c.host);
+    if (--it->second == 0) waiting.erase(it);
+  }
   c.closed = true;
   c.waiter.reset();
   c.fd.reset();
@@ -661,6 +738,7 @@ void handshake(int fd, const std::string& ep, const std::string& secret, Deadlin
 std::shared_ptr<Store> connect_tcp_store(const std::string& host, uint16_t port, const std::string& secret,
                                          Duration timeout) {
   DT_CHECK(!secret.empty(), "comm", "connect_tcp_store: the job secret is empty");
+  check_secret(secret, "connect_tcp_store");
   const std::string ep = net::endpoint(host, port);
   const Deadline deadline = deadline_after(timeout);
   Duration backoff{5};

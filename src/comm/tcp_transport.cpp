@@ -932,6 +932,7 @@ std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& p
            size);
   DT_CHECK(!secret.empty(), "comm",
            "tcp transport: the job secret is empty (set GroupOptions::secret or DTRAIN_SECRET)");
+  check_secret(secret, "tcp transport");
   if (size == 1) {
     return std::make_unique<TcpTransport>(0, 1, std::vector<net::Fd>(1), std::vector<std::string>(1));
   }

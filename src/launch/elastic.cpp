@@ -132,6 +132,7 @@ int run_elastic(const LaunchOptions& o) {
   DT_CHECK(env != nullptr && *env != '\0', "launch",
            "an elastic job needs the same DTRAIN_SECRET on every node (export it before dtrain launch)");
   const std::string secret = env;
+  comm::check_secret(secret, "dtrain launch --nnodes MIN:MAX: DTRAIN_SECRET");
   // Node 0's agent serves the store for the job's whole life, across rounds.
   std::unique_ptr<comm::TcpStoreServer> server;
   if (o.node_rank == 0) {

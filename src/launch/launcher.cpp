@@ -115,33 +115,36 @@ constexpr size_t kMaxLine = 64 * 1024;
 // Writes complete lines of `buf` to `fd`, each prefixed; keeps the unfinished tail, up to
 // kMaxLine bytes (then written as a piece of its own; `*split` set the first time).
 void flush_lines(std::string& buf, int fd, const std::string& prefix, bool final, bool* split = nullptr) {
+  [[maybe_unused]] ssize_t n = 0;
   size_t start = 0;
-  while (true) {
+  bool split_now = false;
+  // Each line, or each kMaxLine piece of a longer one (complete or not).
+  while (start < buf.size()) {
     const size_t nl = buf.find('\n', start);
-    if (nl == std::string::npos) break;
+    const size_t end = nl == std::string::npos ? buf.size() : nl;
+    if (end - start >= kMaxLine) {
+      const std::string piece = prefix + buf.substr(start, kMaxLine) + "\n";
+      n = ::write(fd, piece.data(), piece.size());
+      start += kMaxLine;
+      if (start < buf.size() && buf[start] == '\n') ++start;  // the piece ended the line exactly
+      split_now = true;
+      continue;
+    }
+    if (nl == std::string::npos) break;  // an unfinished line, shorter than kMaxLine: kept
     const std::string line = prefix + buf.substr(start, nl - start + 1);
-    [[maybe_unused]] ssize_t n = ::write(fd, line.data(), line.size());
+    n = ::write(fd, line.data(), line.size());
     start = nl + 1;
   }
   buf.erase(0, start);
-  if (!final && buf.size() >= kMaxLine) {
-    size_t at = 0;
-    [[maybe_unused]] ssize_t n = 0;
-    for (; buf.size() - at >= kMaxLine; at += kMaxLine) {
-      const std::string line = prefix + buf.substr(at, kMaxLine) + "\n";
-      n = ::write(fd, line.data(), line.size());
-    }
-    buf.erase(0, at);
-    if (split != nullptr && !*split) {
-      *split = true;
-      const std::string note = fmt::format("{}(dtrain launch: this output has lines longer than {} bytes; they are split)\n",
-                                           prefix, kMaxLine);
-      n = ::write(fd, note.data(), note.size());
-    }
+  if (split_now && split != nullptr && !*split) {
+    *split = true;
+    const std::string note =
+        fmt::format("{}(dtrain launch: this output has lines longer than {} bytes; they are split)\n", prefix, kMaxLine);
+    n = ::write(fd, note.data(), note.size());
   }
   if (final && !buf.empty()) {
     const std::string line = prefix + buf + "\n";
-    [[maybe_unused]] ssize_t n = ::write(fd, line.data(), line.size());
+    n = ::write(fd, line.data(), line.size());
     buf.clear();
   }
 }
@@ -319,6 +322,8 @@ LaunchResult run_launch(const LaunchOptions& o) {
              "multi-node jobs need the same DTRAIN_SECRET on every node (export it before dtrain launch)");
     secret = env != nullptr ? env : comm::make_secret();
   }
+  comm::check_secret(secret,
+                     o.secret.empty() ? "dtrain launch: DTRAIN_SECRET" : "dtrain launch: LaunchOptions::secret");
   // Node 0 hosts the rendezvous store for the whole job.
   std::unique_ptr<comm::TcpStoreServer> server;
   int port = o.master_port;

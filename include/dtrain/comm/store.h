@@ -4,7 +4,9 @@
 // connection authenticates with the per-job secret by HMAC-SHA256 challenge-response before
 // any request is read; frames are length-prefixed and bounded (kMaxFrameBytes); an
 // unauthenticated, malformed, oversized or truncated frame closes that connection only, and
-// the server keeps serving the other clients.
+// the server keeps serving the other clients. A host whose connections keep failing to
+// authenticate gets its challenges slowly (a few guesses a second), and refusals are logged
+// in one summary line per interval (src/comm/store_guard.h).
 // FileStore: one file per key in a directory on a shared file system.
 // MemoryStore: in-process, for ranks running as threads in tests.
 #pragma once
@@ -13,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dtrain/comm/types.h"
@@ -61,7 +64,20 @@ class TcpStoreServer {
 std::shared_ptr<Store> connect_tcp_store(const std::string& host, uint16_t port, const std::string& secret,
                                          Duration timeout);
 
-/// A fresh random job secret (hex) from OpenSSL's RAND_bytes.
+/// A fresh random job secret: 32 bytes (256 bits) from OpenSSL's CSPRNG (RAND_bytes), as 64
+/// hex digits.
 std::string make_secret();
+
+/// The job secret must carry at least 128 bits of entropy. Entropy cannot be measured from
+/// one string, so this checks a floor that every random secret of 128 bits or more passes
+/// (`openssl rand -hex 16` and up, `openssl rand -base64 24`, make_secret()) and that words,
+/// short keys and hand-typed patterns fail: at least kMinSecretChars characters, at least
+/// kMinSecretDistinct different ones, and not a shorter string repeated ("abcabc...").
+/// Throws dtrain::Error naming `where` (who was given the secret), what is wrong with it
+/// (never the secret itself) and how to make a good one. The TCP store's server and client,
+/// the TCP transport and the launchers call it.
+constexpr size_t kMinSecretChars = 32;
+constexpr size_t kMinSecretDistinct = 6;
+void check_secret(std::string_view secret, std::string_view where);
 
 }  // namespace dtrain::comm
