@@ -4,6 +4,7 @@
 #include <chrono>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <cstdlib>
@@ -78,6 +79,9 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
 }
 
 int run_diff(const DiffOptions& opts) {
+  // NaN compares false with everything: `max_rel <= nan` would say EXCEEDS for identical models.
+  DT_CHECK(std::isfinite(opts.tol) && opts.tol >= 0.0, "diff", "--tol {}: expected a finite non-negative number",
+           opts.tol);
   const train::ModelFile a = train::load_model(opts.a);
   const train::ModelFile b = train::load_model(opts.b);
   const train::DiffResult d = train::diff_models(a, b);
