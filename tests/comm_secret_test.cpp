@@ -24,6 +24,7 @@
 #include "../src/comm/auth.h"
 #include "../src/comm/net.h"
 #include "../src/comm/store_guard.h"
+#include "comm_test_util.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
@@ -38,20 +39,11 @@ using Ms = std::chrono::milliseconds;
 
 namespace {
 
-Ms since(dc::Clock::time_point start) { return std::chrono::duration_cast<Ms>(dc::Clock::now() - start); }
+using dtrain::comm::test_util::eventually;
+using dtrain::comm::test_util::since;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// Polls `cond` until it holds or `timeout` passes (for counters the server thread updates).
-template <typename F>
-bool eventually(F cond, Ms timeout = 2000ms) {
-  const auto deadline = dc::Clock::now() + timeout;
-  while (!cond()) {
-    if (dc::Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
 
 // Sets an environment variable for one scope (unset: nullopt), restoring it after.
 class ScopedEnv {

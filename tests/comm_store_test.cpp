@@ -21,6 +21,7 @@
 
 #include "../src/comm/auth.h"
 #include "../src/comm/net.h"
+#include "comm_test_util.h"
 #include "dtrain/comm/store.h"
 
 namespace dc = dtrain::comm;
@@ -33,18 +34,9 @@ namespace {
 
 enum class Kind { memory, file, tcp };
 
-Ms since(dc::Clock::time_point start) { return std::chrono::duration_cast<Ms>(dc::Clock::now() - start); }
+using dtrain::comm::test_util::eventually;
+using dtrain::comm::test_util::since;
 
-// Polls `cond` until it holds or `timeout` passes (for counters the server thread updates).
-template <typename F>
-bool eventually(F cond, Ms timeout = 2000ms) {
-  const auto deadline = dc::Clock::now() + timeout;
-  while (!cond()) {
-    if (dc::Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
 
 class TempDir {
  public:

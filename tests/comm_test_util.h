@@ -13,6 +13,22 @@
 
 namespace dtrain::comm::test_util {
 
+// Milliseconds since `start`.
+inline std::chrono::milliseconds since(Clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+}
+
+// Polls `cond` until it holds or `timeout` passes (for counters another thread updates).
+template <typename F>
+bool eventually(F cond, std::chrono::milliseconds timeout = std::chrono::milliseconds(2000)) {
+  const auto deadline = Clock::now() + timeout;
+  while (!cond()) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
 // Options for tests: a timeout short enough that a hang fails the test soon.
 inline GroupOptions quick_options() {
   GroupOptions o;
