@@ -8,12 +8,11 @@
 // Heads are read in place with leading dimension 3C, so no head is ever copied out. P is
 // saved (B, H, T, T) for the backward pass:
 //   dP = dO V^T; dS = P * (dP - rowsum(dP * P)); dQ = scale dS K; dK = scale dS^T Q; dV = P^T dO.
-#include <cblas.h>
-
 #include <cmath>
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
 #include "fast_math.h"
 
@@ -28,8 +27,6 @@ struct AttentionBackward : Node {
   std::vector<Tensor> apply(const Tensor& g_in) override {
     Tensor g = g_in.contiguous();  // (B, T, C)
     const int64_t T = t_size, C = c_size, H = n_head, hd = C / H;
-    const auto Ti = static_cast<blasint>(T);
-    const auto hdi = static_cast<blasint>(hd);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     Tensor dqkv = Tensor::empty({b_size, T, 3 * C});
     std::vector<float> dp(static_cast<size_t>(T * T));
@@ -48,8 +45,7 @@ struct AttentionBackward : Node {
         float* dk = dq + C;
         float* dv = dq + 2 * C;
         // dP = dO V^T
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Ti, Ti, hdi, 1.0f, go, static_cast<blasint>(C), v,
-                    static_cast<blasint>(3 * C), 0.0f, dp.data(), Ti);
+        sgemm(false, true, T, T, hd, 1.0f, go, C, v, 3 * C, 0.0f, dp.data(), T);
         // dS = P * (dP - rowsum(dP * P)), in place in dp; masked entries have P = 0.
         for (int64_t i = 0; i < T; ++i) {
           float* dr = dp.data() + i * T;
@@ -59,12 +55,9 @@ struct AttentionBackward : Node {
           for (int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - s);
           for (int64_t j = i + 1; j < T; ++j) dr[j] = 0.0f;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Ti, hdi, Ti, scale, dp.data(), Ti, k,
-                    static_cast<blasint>(3 * C), 0.0f, dq, static_cast<blasint>(3 * C));
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Ti, hdi, Ti, scale, dp.data(), Ti, q,
-                    static_cast<blasint>(3 * C), 0.0f, dk, static_cast<blasint>(3 * C));
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Ti, hdi, Ti, 1.0f, p, Ti, go, static_cast<blasint>(C),
-                    0.0f, dv, static_cast<blasint>(3 * C));
+        sgemm(false, false, T, hd, T, scale, dp.data(), T, k, 3 * C, 0.0f, dq, 3 * C);
+        sgemm(true, false, T, hd, T, scale, dp.data(), T, q, 3 * C, 0.0f, dk, 3 * C);
+        sgemm(true, false, T, hd, T, 1.0f, p, T, go, C, 0.0f, dv, 3 * C);
       }
     }
     return {dqkv};
@@ -85,8 +78,6 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   DT_CHECK(n_head > 0 && C % n_head == 0, "tensor", "causal_attention: width {} not divisible by {} heads", C,
            n_head);
   const int64_t H = n_head, hd = C / H;
-  const auto Ti = static_cast<blasint>(T);
-  const auto hdi = static_cast<blasint>(hd);
   const float scale = hd > 0 ? 1.0f / std::sqrt(static_cast<float>(hd)) : 1.0f;
   Tensor qkv = qkv_in.detach().contiguous();
   Tensor out = Tensor::empty({B, T, C});
@@ -100,8 +91,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
       const float* k = q + C;
       const float* v = q + 2 * C;
       float* p = pa + (b * H + h) * T * T;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Ti, Ti, hdi, scale, q, static_cast<blasint>(3 * C), k,
-                  static_cast<blasint>(3 * C), 0.0f, p, Ti);
+      sgemm(false, true, T, T, hd, scale, q, 3 * C, k, 3 * C, 0.0f, p, T);
       for (int64_t i = 0; i < T; ++i) {
         float* row = p + i * T;
         float mx = -INFINITY;
@@ -113,8 +103,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
         for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
         for (int64_t j = i + 1; j < T; ++j) row[j] = 0.0f;
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Ti, hdi, Ti, 1.0f, p, Ti, v, static_cast<blasint>(3 * C),
-                  0.0f, po + b * T * C + h * hd, static_cast<blasint>(C));
+      sgemm(false, false, T, hd, T, 1.0f, p, T, v, 3 * C, 0.0f, po + b * T * C + h * hd, C);
     }
   }
   if (hd == 0 || T == 0) out.fill_(0.0f);

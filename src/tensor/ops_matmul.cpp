@@ -1,8 +1,9 @@
-// Matrix products on OpenBLAS sgemm: matmul (batched) and linear, with gradients.
-#include <cblas.h>
+// Matrix products (batched matmul and linear) with gradients, on dtrain::sgemm (gemm.h).
+#include <algorithm>
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
 
 namespace dtrain::ops {
@@ -12,15 +13,8 @@ namespace {
 // C (M, N) = alpha * op(A) op(B) + beta * C, row-major, contiguous operands.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b,
           float beta, float* c) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    for (int64_t i = 0; i < m * n; ++i) c[i] = beta == 0.0f ? 0.0f : c[i] * beta;
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(ta ? m : k), b, static_cast<blasint>(tb ? k : n), beta, c,
-              static_cast<blasint>(n));
+  sgemm(ta, tb, m, n, k, alpha, a, std::max<int64_t>(1, ta ? m : k), b, std::max<int64_t>(1, tb ? k : n), beta, c,
+        std::max<int64_t>(1, n));
 }
 
 void check_f32(const Tensor& t, const char* op, const char* what) {
@@ -203,7 +197,3 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
 }
 
 }  // namespace dtrain::ops
-
-namespace dtrain {
-void set_num_threads(int threads) { openblas_set_num_threads(threads); }
-}  // namespace dtrain

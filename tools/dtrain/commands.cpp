@@ -9,6 +9,7 @@
 #include <ctime>
 #include <cstdlib>
 
+#include "bench_gemm.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/mpi.h"
 #include "dtrain/core/error.h"
@@ -173,26 +174,6 @@ int run_launch(const launch::LaunchOptions& options) {
   }
 }
 
-int run_bench_gemm(const BenchOptions& opts) {
-  set_num_threads(opts.threads);
-  NoGradGuard no_grad;
-  Generator gen(1);
-  const int64_t n = opts.size;
-  Tensor a = Tensor::randn({n, n}, gen);
-  Tensor b = Tensor::randn({n, n}, gen);
-  ops::matmul(a, b);  // warm up
-  int64_t iters = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  double elapsed = 0.0;
-  while (elapsed < opts.seconds) {
-    ops::matmul(a, b);
-    ++iters;
-    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  const double gflops = 2.0 * static_cast<double>(n * n * n) * static_cast<double>(iters) / elapsed / 1e9;
-  std::printf("{\"op\":\"sgemm\",\"n\":%ld,\"threads\":%d,\"iters\":%ld,\"gflops\":%.2f}\n", static_cast<long>(n),
-              opts.threads, static_cast<long>(iters), gflops);
-  return 0;
-}
+int run_bench_gemm(const BenchOptions& opts) { return run_bench_gemm(opts, GemmBenchOptions{}); }
 
 }  // namespace dtrain::tools

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "bench_gemm.h"
 #include "commands.h"
 #include "plan_command.h"
 #include "dtrain/comm/mpi.h"
@@ -61,10 +62,20 @@ int main(int argc, char** argv) {
   dtrain::tools::BenchOptions bench_opts;
   CLI::App* bench = app.add_subcommand("bench", "micro-benchmarks");
   bench->require_subcommand(1);
-  CLI::App* gemm = bench->add_subcommand("gemm", "single-core sgemm peak (GFLOP/s), the MFU denominator");
+  CLI::App* gemm = bench->add_subcommand(
+      "gemm", "the core's measured FMA peak and each gemm library's GFLOP/s on the models' shapes (MFU denominators)");
   gemm->add_option("--size", bench_opts.size, "matrix size N (N x N x N)")->capture_default_str();
   gemm->add_option("--seconds", bench_opts.seconds, "time to measure per size")->capture_default_str();
-  gemm->add_option("--threads", bench_opts.threads, "BLAS threads")->capture_default_str();
+  gemm->add_option("--threads", bench_opts.threads, "threads of both gemm libraries and of the peak probe")
+      ->capture_default_str();
+  dtrain::tools::GemmBenchOptions gemm_opts;
+  gemm->add_option("--shapes", gemm_opts.shapes,
+                   "models: the model shapes and a size grid (each library, the peak), then --size; square: only "
+                   "--size")
+      ->capture_default_str();
+  gemm->add_option("--shape-seconds", gemm_opts.shape_seconds, "time per library and grid shape")
+      ->capture_default_str();
+  gemm->add_flag("--json", gemm_opts.json, "one JSON line per grid shape instead of the table");
 
   dtrain::tools::CollBenchOptions coll;
   CLI::App* colls = bench->add_subcommand(
@@ -137,7 +148,7 @@ int main(int argc, char** argv) {
       dtrain::tools::parse_nnodes(nnodes, launch_opts);
       return dtrain::tools::run_launch(launch_opts);
     }
-    if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts);
+    if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts, gemm_opts);
     if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
     if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
     if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts, std::vector<std::string>(argv, argv + argc));

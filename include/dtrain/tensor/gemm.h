@@ -1,0 +1,80 @@
+// The one single-precision matrix product behind every op (linear, matmul, attention), on
+// OpenBLAS or oneDNN.
+//
+// Vocabulary: a *library* is OpenBLAS or oneDNN; the *policy* is a library or `automatic`.
+// The policy comes from DTRAIN_GEMM=onednn|openblas|auto (default openblas for now, see gemm.cpp) at the first product,
+// or from set_gemm_backend. Under auto each *shape* (trans_a, trans_b, M, N, K, threads) is
+// *calibrated* on its first call: both libraries run it on the call's own operands a few times,
+// interleaved (on one thread timed by the thread's CPU time, which other processes' load does
+// not inflate), and the shape keeps the faster library. oneDNN is the tie-breaker: OpenBLAS is
+// kept only when it is faster by more than a margin (gemm.cpp).
+//
+// The bits of a product depend on the library, so runs agree bitwise only if their choices
+// agree. A choice is therefore made once per machine, not per process: it is kept in a cache
+// file (gemm_cache_file(); DTRAIN_GEMM_CACHE=DIR moves it, =off keeps choices in the process)
+// that every process on the machine reads and appends under a lock, so a second run, and the
+// other data-parallel ranks on the host, use the first decision. Ranks on different hosts may
+// still choose differently (their averaged parameters stay identical all the same); runs that
+// must reproduce bitwise across machines pin the library: DTRAIN_GEMM=onednn or openblas.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+enum class GemmBackend { automatic, openblas, onednn };
+
+/// "auto", "openblas", "onednn".
+const char* gemm_backend_name(GemmBackend backend);
+/// Parses auto | openblas | onednn; throws naming the text otherwise.
+GemmBackend parse_gemm_backend(std::string_view text);
+
+/// Whether this build has oneDNN (libdnnl-dev found at configure time).
+bool onednn_available();
+/// The instruction set oneDNN dispatches to on this CPU ("avx512_core_bf16", "avx2", ...; it
+/// honours ONEDNN_MAX_CPU_ISA), or "none" without oneDNN.
+std::string onednn_isa();
+/// The libraries linked, their versions and the kernels they chose on this CPU, for reports:
+/// "OpenBLAS 0.3.21 (core Haswell), oneDNN 2.6.3 (avx512_core_bf16)".
+std::string gemm_libraries();
+
+/// The policy in force (reads DTRAIN_GEMM on first use).
+GemmBackend gemm_backend();
+/// Overrides DTRAIN_GEMM for this process; onednn throws if this build has no oneDNN.
+void set_gemm_backend(GemmBackend backend);
+
+/// C (M, N) = alpha * op(A) op(B) + beta * C, all row-major. op(A) is (M, K): A is stored
+/// (M, K) with row stride lda >= K, or (K, M) with lda >= M when trans_a; likewise op(B) (K, N)
+/// from B (K, N), ldb >= N, or (N, K), ldb >= K when trans_b; C (M, N) with ldc >= N. beta = 0
+/// never reads C. Runs on the library the policy picks for this shape.
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+/// The same product on one named library (automatic: as sgemm), whatever the policy.
+void sgemm_on(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+              const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+/// One shape's calibration under auto: the best time of each library and the one kept.
+struct GemmCalibration {
+  bool trans_a = false, trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  int threads = 0;
+  double openblas_s = 0, onednn_s = 0;  // best of the interleaved repetitions
+  GemmBackend chosen = GemmBackend::openblas;
+  bool cached = false;  // read from the cache file (decided by an earlier process), not timed here
+};
+/// The library sgemm runs this shape on now: the policy's library, or under auto the shape's
+/// calibration (made now on scratch operands if the shape has not been seen).
+GemmBackend gemm_backend_for(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k);
+/// The shapes this process has run under auto with their calibrations (timed here or read from
+/// the cache file), in the order they were first met.
+std::vector<GemmCalibration> gemm_calibrations();
+/// The cache file of this machine's calibrations, or "" when DTRAIN_GEMM_CACHE=off.
+std::string gemm_cache_file();
+
+/// The thread count set_num_threads gave both libraries (0: never set, each library's default).
+int gemm_threads();
+
+}  // namespace dtrain
