@@ -1,6 +1,7 @@
 #include "dtrain/core/file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,8 +13,6 @@
 
 namespace dtrain {
 
-namespace {
-
 void write_all(int fd, const std::string& bytes, const std::string& path, const char* component) {
   size_t done = 0;
   while (done < bytes.size()) {
@@ -24,7 +23,53 @@ void write_all(int fd, const std::string& bytes, const std::string& path, const 
   }
 }
 
-}  // namespace
+std::string read_regular_file(const std::string& path, std::string* bytes, bool* missing, bool* opened) {
+  bytes->clear();
+  if (missing != nullptr) *missing = false;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (opened != nullptr) *opened = fd >= 0;
+  if (fd < 0) {
+    if (missing != nullptr) *missing = errno == ENOENT;
+    return std::strerror(errno);
+  }
+  std::string why;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    why = std::strerror(errno);
+  } else if (S_ISDIR(st.st_mode)) {
+    why = "is a directory";
+  } else if (!S_ISREG(st.st_mode)) {
+    why = "not a regular file";
+  } else {
+    (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    bytes->resize(static_cast<size_t>(st.st_size) + 1);
+    size_t done = 0;
+    while (true) {
+      if (done == bytes->size()) bytes->resize(done + 65536);
+      const ssize_t n = ::read(fd, bytes->data() + done, bytes->size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        why = fmt::format("read failed: {}", std::strerror(errno));
+        break;
+      }
+      if (n == 0) break;
+      done += static_cast<size_t>(n);
+    }
+    bytes->resize(why.empty() ? done : 0);
+  }
+  ::close(fd);
+  return why;
+}
+
+
+int probe_writable(const std::string& dir) {
+  std::string probe = (dir == "/" ? "/" : dir + "/") + ".dtrain-probe.XXXXXX";
+  const int fd = ::mkostemp(probe.data(), O_CLOEXEC);
+  if (fd < 0) return errno;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return 0;
+}
 
 std::string parent_directory(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -73,11 +118,8 @@ void check_output_path(const std::string& path, const char* what, const char* co
     DT_CHECK(!S_ISDIR(st.st_mode), component, "{} {}: is a directory", what, path);
   }
   const std::string dir = parent_directory(path);
-  std::string probe = (dir == "/" ? "/" : dir + "/") + ".dtrain-probe.XXXXXX";
-  const int fd = ::mkostemp(probe.data(), O_CLOEXEC);
-  DT_CHECK(fd >= 0, component, "{} {}: cannot write in {}: {}", what, path, dir, std::strerror(errno));
-  ::close(fd);
-  ::unlink(probe.c_str());
+  const int err = probe_writable(dir);
+  DT_CHECK(err == 0, component, "{} {}: cannot write in {}: {}", what, path, dir, std::strerror(err));
 }
 
 int open_output_file(const std::string& path, const char* component, bool append) {
@@ -102,6 +144,15 @@ int open_output_file(const std::string& path, const char* component, bool append
     DT_THROW(component, "{}: cannot truncate: {}", path, std::strerror(err));
   }
   return fd;
+}
+
+int open_locked_file(const std::string& path, const char* component) {
+  const int fd = open_output_file(path, component, /*append=*/true);
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return fd;
+  const int err = errno;
+  ::close(fd);
+  if (err == EWOULDBLOCK) return -1;
+  DT_THROW(component, "{}: cannot lock: {}", path, std::strerror(err));
 }
 
 }  // namespace dtrain

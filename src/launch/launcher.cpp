@@ -339,6 +339,13 @@ LaunchResult run_launch(const LaunchOptions& o) {
   struct sigaction old_int {}, old_term {};
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
+  // The handlers back and the signal pipe closed: at the end, or when starting workers failed.
+  auto restore_signals = [&] {
+    sigaction(SIGINT, &old_int, nullptr);
+    sigaction(SIGTERM, &old_term, nullptr);
+    ::close(g_signal_pipe[0]);
+    ::close(g_signal_pipe[1]);
+  };
 
   // Where the workers dump their flight records on a failure: a directory of this launch's own
   // (under the user's DTRAIN_FLIGHT_DIR if set, else /tmp), so the report never shows records
@@ -367,10 +374,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
       if (w.out_fd >= 0) ::close(w.out_fd);
       if (w.err_fd >= 0) ::close(w.err_fd);
     }
-    sigaction(SIGINT, &old_int, nullptr);
-    sigaction(SIGTERM, &old_term, nullptr);
-    ::close(g_signal_pipe[0]);
-    ::close(g_signal_pipe[1]);
+    restore_signals();
     if (!flight_dir.empty()) remove_directory(flight_dir);
     int started = 0;
     for (const auto& w : workers) started += w.pid > 0 ? 1 : 0;
@@ -635,10 +639,7 @@ LaunchResult run_launch(const LaunchOptions& o) {
     }
   }
 
-  sigaction(SIGINT, &old_int, nullptr);
-  sigaction(SIGTERM, &old_term, nullptr);
-  ::close(g_signal_pipe[0]);
-  ::close(g_signal_pipe[1]);
+  restore_signals();
 
   for (auto& w : workers) {
     result.workers.push_back(w.exit);

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,9 +9,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/file.h"
 #include "dtrain/core/log.h"
 #include "dtrain/train/model_io.h"
 
@@ -32,49 +33,10 @@ std::string rank_file(int rank) { return fmt::format("rank-{}.dtm", rank); }
 
 constexpr int kMaxRanks = 256;  // finalize()'s bound on dp x pp x tp
 
-// Reads a regular file whole into `bytes`: empty when it is read, else why not (the system's
-// reason; ENOENT in `missing`). Never throws, never blocks on a FIFO, refuses a directory.
-std::string read_regular(const std::string& path, std::string* bytes, bool* missing = nullptr) {
-  bytes->clear();
-  if (missing != nullptr) *missing = false;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    if (missing != nullptr) *missing = errno == ENOENT;
-    return std::strerror(errno);
-  }
-  std::string why;
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    why = std::strerror(errno);
-  } else if (S_ISDIR(st.st_mode)) {
-    why = "is a directory";
-  } else if (!S_ISREG(st.st_mode)) {
-    why = "not a regular file";
-  } else {
-    (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-    bytes->resize(static_cast<size_t>(st.st_size) + 1);
-    size_t done = 0;
-    while (true) {
-      if (done == bytes->size()) bytes->resize(done + 65536);
-      const ssize_t n = ::read(fd, bytes->data() + done, bytes->size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        why = fmt::format("read failed: {}", std::strerror(errno));
-        break;
-      }
-      if (n == 0) break;
-      done += static_cast<size_t>(n);
-    }
-    bytes->resize(why.empty() ? done : 0);
-  }
-  ::close(fd);
-  return why;
-}
-
 // The file's text, or empty when it cannot be read (callers report empty as missing).
 std::string read_file(const std::string& path) {
   std::string bytes;
-  read_regular(path, &bytes);
+  read_regular_file(path, &bytes);
   return bytes;
 }
 
@@ -206,14 +168,14 @@ std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohma
   std::vector<ManifestFile> files;
   std::string text;
   bool missing = false;
-  const std::string unreadable = read_regular(sd + "/manifest.json", &text, &missing);
+  const std::string unreadable = read_regular_file(sd + "/manifest.json", &text, &missing);
   if (!unreadable.empty() && !missing) return fmt::format("manifest.json: {}", unreadable);
   const std::string bad = parse_manifest(text, step, compatible, &files, layout);
   if (!bad.empty()) return bad;
   for (size_t r = 0; r < files.size(); ++r) {
     const ManifestFile& f = files[r];
     std::string bytes;
-    const std::string why = read_regular(sd + "/" + f.name, &bytes, &missing);
+    const std::string why = read_regular_file(sd + "/" + f.name, &bytes, &missing);
     if (!why.empty() && !missing) return fmt::format("{}: {}", f.name, why);
     if (bytes.empty()) return fmt::format("{} is missing or empty", f.name);
     const std::string sum = sha256_hex(bytes.data(), bytes.size());
@@ -268,34 +230,22 @@ void Checkpointer::open_dir(bool lead) {
   }
   (void)checkpoint_steps(dir_);  // listable, or an error naming the dir and the reason
   // Writable now, not only at the first checkpoint hours later.
-  std::string probe = dir_ + "/.dtrain-probe.XXXXXX";
-  const int pfd = ::mkostemp(probe.data(), O_CLOEXEC);
-  DT_CHECK(pfd >= 0, "checkpoint", "--checkpoint-dir {}: cannot write in it: {}", dir_, std::strerror(errno));
-  ::close(pfd);
-  ::unlink(probe.c_str());
+  const int err = probe_writable(dir_);
+  DT_CHECK(err == 0, "checkpoint", "--checkpoint-dir {}: cannot write in it: {}", dir_, std::strerror(err));
   if (!lead) return;
   // One run per directory: two would prune and overwrite each other's steps. The kernel drops
   // the lock when the process ends however it ends, so a restart after a kill takes it again.
   const std::string path = dir_ + "/.lock";
-  lock_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0644);
+  lock_fd_ = open_locked_file(path, "checkpoint");
   if (lock_fd_ < 0) {
-    const int err = errno;
-    DT_CHECK(err != ELOOP, "checkpoint", "{}: is a symbolic link; refusing to open it", path);
-    DT_THROW("checkpoint", "{}: cannot open: {}", path, std::strerror(err));
-  }
-  DT_CHECK(::fstat(lock_fd_, &st) == 0 && S_ISREG(st.st_mode), "checkpoint", "{}: not a regular file", path);
-  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    DT_CHECK(err == EWOULDBLOCK, "checkpoint", "{}: cannot lock: {}", path, std::strerror(err));
-    char text[32] = {};
-    const ssize_t n = ::pread(lock_fd_, text, sizeof(text) - 1, 0);
-    const long pid = n > 0 ? std::strtol(text, nullptr, 10) : 0;
+    std::ifstream in(path);  // the holder's pid (only read: a symlink swapped in since does no harm)
+    long pid = 0;
+    in >> pid;
     DT_THROW("checkpoint", "checkpoint dir {} is in use by another run ({})", dir_,
              pid > 0 ? fmt::format("pid {}", pid) : std::string("its pid is not written yet"));
   }
-  const std::string pid = fmt::format("{}\n", ::getpid());
-  DT_CHECK(::ftruncate(lock_fd_, 0) == 0 && ::pwrite(lock_fd_, pid.data(), pid.size(), 0) == std::ssize(pid),
-           "checkpoint", "{}: cannot write: {}", path, std::strerror(errno));
+  DT_CHECK(::ftruncate(lock_fd_, 0) == 0, "checkpoint", "{}: cannot truncate: {}", path, std::strerror(errno));
+  write_all(lock_fd_, fmt::format("{}\n", ::getpid()), path, "checkpoint");
 }
 
 void Checkpointer::close_lock() {

@@ -1,6 +1,5 @@
 #include "dtrain/train/metrics.h"
 
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,18 +13,11 @@
 namespace dtrain::train {
 
 MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
-  // Open without truncating, lock, then truncate: a second writer must not empty the file the
-  // first one is writing.
-  fd_ = open_output_file(path, "metrics", /*append=*/true);
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    ::close(fd_);
-    fd_ = -1;
-    DT_CHECK(err != EWOULDBLOCK, "metrics",
-             "--metrics {}: another process is writing this file (a second run, or workers started without --dp?)",
-             path);
-    DT_THROW("metrics", "--metrics {}: cannot lock: {}", path, std::strerror(err));
-  }
+  // Lock, then truncate: a second writer must not empty the file the first one is writing.
+  fd_ = open_locked_file(path, "metrics");
+  DT_CHECK(fd_ >= 0, "metrics",
+           "--metrics {}: another process is writing this file (a second run, or workers started without --dp?)",
+           path);
   if (::ftruncate(fd_, 0) != 0) {
     const int err = errno;
     ::close(fd_);
@@ -54,14 +46,7 @@ MetricsWriter& MetricsWriter::operator=(MetricsWriter&& other) noexcept {
 
 void MetricsWriter::write(const nlohmann::json& record) {
   if (fd_ < 0) return;
-  const std::string line = record.dump() + '\n';
-  size_t done = 0;
-  while (done < line.size()) {
-    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    DT_CHECK(n > 0, "metrics", "--metrics {}: write failed: {}", path_, n < 0 ? std::strerror(errno) : "no progress");
-    done += static_cast<size_t>(n);
-  }
+  write_all(fd_, record.dump() + '\n', "--metrics " + path_, "metrics");
 }
 
 Progress::Progress(int64_t total_steps, int64_t log_every, bool bar_allowed)

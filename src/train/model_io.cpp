@@ -115,33 +115,14 @@ void save_model(const std::string& path, const ModelFile& file) { write_file_ato
 
 
 ModelFile load_model(const std::string& path) {
-  // O_NONBLOCK: a FIFO at `path` must not block the open; anything but a regular file is
-  // refused by name (an ifstream on a directory failed with "basic_filebuf::underflow").
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  DT_CHECK(fd >= 0, "model", "{}: cannot open: {}", path, std::strerror(errno));
+  // Anything but a regular file is refused by name (an ifstream on a directory failed with
+  // "basic_filebuf::underflow"), and a FIFO does not block.
   std::string bytes;
-  try {
-    struct stat st {};
-    DT_CHECK(::fstat(fd, &st) == 0, "model", "{}: cannot stat: {}", path, std::strerror(errno));
-    DT_CHECK(!S_ISDIR(st.st_mode), "model", "{}: is a directory, not a model file", path);
-    DT_CHECK(S_ISREG(st.st_mode), "model", "{}: not a regular file, not a model file", path);
-    (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-    bytes.resize(static_cast<size_t>(st.st_size) + 1);  // + 1: the end shows as a read of 0 without growing
-    size_t done = 0;
-    while (true) {
-      if (done == bytes.size()) bytes.resize(done + 65536);  // the file grew, or st_size was 0
-      const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      DT_CHECK(n >= 0, "model", "{}: read failed: {}", path, std::strerror(errno));
-      if (n == 0) break;
-      done += static_cast<size_t>(n);
-    }
-    bytes.resize(done);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
+  bool opened = false;
+  const std::string why = read_regular_file(path, &bytes, nullptr, &opened);
+  DT_CHECK(opened, "model", "{}: cannot open: {}", path, why);
+  DT_CHECK(why != "is a directory" && why != "not a regular file", "model", "{}: {}, not a model file", path, why);
+  DT_CHECK(why.empty(), "model", "{}: {}", path, why);
   return decode_model(bytes, path);
 }
 

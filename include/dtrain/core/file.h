@@ -23,6 +23,24 @@ int open_output_file(const std::string& path, const char* component = "io", bool
 /// end. `what` names the option in the error ("--save").
 void check_output_path(const std::string& path, const char* what, const char* component = "io");
 
+/// Opens `path` as open_output_file does (appending: nothing is truncated) and takes an
+/// exclusive flock on it without waiting; -1 when another process holds the lock. The kernel
+/// drops the lock when the fd closes or the process ends, however it ends.
+int open_locked_file(const std::string& path, const char* component = "io");
+
+/// Writes all of `bytes` to `fd` (retrying short writes and EINTR); throws naming `path`.
+void write_all(int fd, const std::string& bytes, const std::string& path, const char* component = "io");
+
+/// Reads a regular file whole into `bytes`: returns "" when it was read, else why not (the
+/// system's reason, "is a directory", "not a regular file" or "read failed: ..."). `*missing`:
+/// it does not exist; `*opened`: the open succeeded (the reason is then the file's, not the
+/// path's). Never throws, never blocks on a FIFO.
+std::string read_regular_file(const std::string& path, std::string* bytes, bool* missing = nullptr,
+                              bool* opened = nullptr);
+
+/// 0 when a new file can be created in `dir` (an mkstemp probe, removed at once), else errno.
+int probe_writable(const std::string& dir);
+
 /// The directory part of `path` ("." for a bare name, "/" for a file at the root).
 std::string parent_directory(const std::string& path);
 
