@@ -595,24 +595,6 @@ TrainResult run_training(const TrainConfig& requested) {
     ~StopWatchingProgress() { comm::pause_progress(); }
   } stop_watching;
   TrainConfig cfg = requested;
-  // Elastic (--min-workers): the launcher went on with fewer workers after some could not come
-  // back; the data-parallel axis shrinks and the global batch stays (the checkpoint reshards).
-  if (const char* ws = std::getenv("WORLD_SIZE"); ws != nullptr && cfg.min_workers > 0) {
-    const int started = std::atoi(ws);
-    if (started < world_size(cfg) && started >= cfg.min_workers) {
-      const int per_replica = cfg.pp * cfg.tp;
-      DT_CHECK(started % per_replica == 0, "train", "elastic: {} workers do not form whole replicas of pp {} x tp {}",
-               started, cfg.pp, cfg.tp);
-      const int dp = started / per_replica;
-      DT_CHECK(cfg.batch_size % (dp * cfg.accumulate * cfg.micro_batches) == 0, "train",
-               "elastic: --batch-size {} does not split over {} replicas x --accumulate {} x --micro-batches {}",
-               cfg.batch_size, dp, cfg.accumulate, cfg.micro_batches);
-      DT_LOG_WARN("elastic: {} of {} workers, {} data-parallel replicas instead of {} (global batch {} kept)", started,
-                  world_size(cfg), dp, cfg.dp, cfg.batch_size);
-      cfg.dp = dp;
-      if (dp == 1) cfg.zero = 0;
-    }
-  }
   set_num_threads(cfg.threads);
   const auto origin = Clock::now();
   const int world = world_size(cfg);

@@ -13,6 +13,7 @@
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/mpi.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/log.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/random.h"
@@ -30,16 +31,28 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
   const char* rank_env = vars.rank != nullptr ? std::getenv(vars.rank) : nullptr;
   const char* size_env = vars.size != nullptr ? std::getenv(vars.size) : nullptr;
   // Started as one of several workers (dtrain launch, torchrun; mpirun or srun with --backend
-  // mpi) whose number is not this run's dp x pp x tp: each would train on its own and all would
-  // write the same files. Without --dp the workers are the data-parallel replicas (as torchrun
-  // users expect); otherwise the two numbers are named. Elastic runs (--min-workers) shrink below.
+  // mpi) whose number is not this run's dp x pp x tp. Elastic (--min-workers): the launcher went
+  // on with fewer workers after some could not come back; the data-parallel axis shrinks and the
+  // global batch stays (the checkpoint reshards). Otherwise each worker would train on its own
+  // and all would write the same files: without --dp the workers are the data-parallel replicas
+  // (as torchrun users expect), with another --dp the two numbers are named.
   const bool launched = std::getenv("RANK") != nullptr || (mpi && rank_env != nullptr);
   if (launched && size_env != nullptr) {
     const long started = std::strtol(size_env, nullptr, 10);
     const int64_t want = static_cast<int64_t>(cfg.dp) * cfg.pp * cfg.tp;
-    const bool shrunk = cfg.min_workers > 0 && started >= cfg.min_workers && started < want;
-    if (started >= 1 && started != want && !shrunk) {
-      const int64_t per_replica = static_cast<int64_t>(cfg.pp) * cfg.tp;
+    const int64_t per_replica = static_cast<int64_t>(cfg.pp) * cfg.tp;
+    if (cfg.min_workers > 0 && started >= cfg.min_workers && started < want) {
+      DT_CHECK(started % per_replica == 0, "train", "elastic: {} workers do not form whole replicas of pp {} x tp {}",
+               started, cfg.pp, cfg.tp);
+      const int dp = static_cast<int>(started / per_replica);
+      DT_CHECK(cfg.batch_size % (dp * cfg.accumulate * cfg.micro_batches) == 0, "train",
+               "elastic: --batch-size {} does not split over {} replicas x --accumulate {} x --micro-batches {}",
+               cfg.batch_size, dp, cfg.accumulate, cfg.micro_batches);
+      DT_LOG_WARN("elastic: {} of {} workers, {} data-parallel replicas instead of {} (global batch {} kept)", started,
+                  want, dp, cfg.dp, cfg.batch_size);
+      cfg.dp = dp;
+      if (dp == 1) cfg.zero = 0;
+    } else if (started >= 1 && started != want) {
       DT_CHECK(cfg.given.count("dp") == 0 && started % per_replica == 0, "train",
                "the {} started {} workers ({}={}) but --dp {} x --pp {} x --tp {} = {}: give --dp {} or leave "
                "--dp out (the workers are then the data-parallel replicas), or run dtrain train --dp N without a "
