@@ -39,16 +39,3 @@ namespace detail {
 
 #define DT_THROW(comp, ...) \
   ::dtrain::detail::throw_error(comp, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__))
-
-/// Enforce a == b, naming both expressions and values.
-#define DT_CHECK_EQ(a, b, comp, ...)                                                       \
-  do {                                                                                     \
-    const auto& dt_a_ = (a);                                                               \
-    const auto& dt_b_ = (b);                                                               \
-    if (!(dt_a_ == dt_b_)) [[unlikely]] {                                                  \
-      ::dtrain::detail::throw_error(                                                       \
-          comp, __FILE__, __LINE__,                                                        \
-          ::fmt::format("{} ({} != {}: {} vs {})", ::fmt::format(__VA_ARGS__), #a, #b,     \
-                        dt_a_, dt_b_));                                                    \
-    }                                                                                      \
-  } while (0)
