@@ -3,7 +3,7 @@ PRESET ?= release
 BUILD := build/$(PRESET)
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps build test test-asan fuzz demo bench clean format lint
+.PHONY: all deps build test test-asan fuzz demo bench clean format format-check lint
 
 all: build
 
@@ -14,8 +14,8 @@ build: deps
 	@cmake --preset $(PRESET) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# Every test of the release build, then a bounded libFuzzer run (the CI run).
-test: build
+# The formatting check, every test of the release build, then a bounded libFuzzer run (the CI run).
+test: build format-check
 	@ctest --preset $(PRESET) -j $(JOBS)
 	@$(MAKE) --no-print-directory fuzz
 
@@ -49,7 +49,11 @@ bench: build
 	@bench/run_all.sh
 
 format:
-	@clang-format -i $$(git ls-files '*.cpp' '*.h')
+	@clang-format -i $$(git ls-files '*.cpp' '*.h' '*.c')
+
+# Fails when clang-format would change a tracked file (part of `make test`).
+format-check: deps
+	@scripts/check-format
 
 lint: build
 	@clang-tidy -p $(BUILD) $$(git ls-files 'src/*.cpp' 'tools/*.cpp')

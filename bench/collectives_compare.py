@@ -182,11 +182,12 @@ def tool_cmd(a, tool, n, json_path, variant=None, span=None):
     lo, hi = span or (a.min_bytes, a.max_bytes)
     sweep = ["--min-bytes", str(lo), "--max-bytes", str(hi), "--iters", str(a.iters),
              "--warmup", str(a.warmup), "--check", "--json", json_path]
-    if tool == "dtrain":
+    if tool in ("dtrain", "dtrain-ref"):
         # in place, like MPI_IN_PLACE in mpi_allreduce.c and torch's all_reduce; --dtrain-buffers
         # shared: each rank's vector in memory every rank maps (all_reduce_shared, no staging)
         where = ["--shared"] if a.dtrain_buffers == "shared" else ["--inplace"]
-        return [a.dtrain, "bench", "collectives", "-n", str(n), "--op", "allreduce", "--dtype", "f32",
+        exe = a.dtrain if tool == "dtrain" else a.dtrain_ref
+        return [exe, "bench", "collectives", "-n", str(n), "--op", "allreduce", "--dtype", "f32",
                 "--algo", a.algo] + where + sweep
     if tool == "openmpi":
         mca = dict(mpi_mca(a))
@@ -221,7 +222,7 @@ def run_sweep(a, tool, n, variant=None, span=None):
         except (OSError, ValueError) as e:
             return None, f"{label}, world {n}: wrote no readable JSON ({e})\n  command: {' '.join(cmd)}\n{tail}"
     problems = []
-    if rec.get("tool") != tool:
+    if rec.get("tool") != ("dtrain" if tool == "dtrain-ref" else tool):
         problems.append(f"tool is {rec.get('tool')!r}")
     if rec.get("world") != n:
         problems.append(f"world is {rec.get('world')!r}")
@@ -496,6 +497,9 @@ def main():
                    "run seconds apart); sweep: every tool runs its whole sweep in turn (fewer launches)")
     p.add_argument("--tools", default="dtrain,openmpi,gloo")
     p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "release", "dtrain"))
+    p.add_argument("--dtrain-ref", default=None,
+                   help="another dtrain binary (the build before a change) run as the tool dtrain-ref: "
+                        "--tools dtrain,dtrain-ref prints new/old ratios")
     p.add_argument("--algo", default="auto", help="dtrain --algo")
     p.add_argument("--dtrain-buffers", choices=["plain", "shared"], default="plain",
                    help="plain: dtrain's all_reduce on the process's own memory, as the others; shared: "
@@ -520,9 +524,11 @@ def main():
     a = p.parse_args()
     a.tools = [t for t in a.tools.split(",") if t]
     worlds = [int(w) for w in a.worlds.split(",") if w]
-    bad = [t for t in a.tools if t not in ("dtrain", "openmpi", "gloo")]
+    bad = [t for t in a.tools if t not in ("dtrain", "dtrain-ref", "openmpi", "gloo")]
     if bad:
-        p.error(f"unknown tools {bad} (dtrain, openmpi, gloo)")
+        p.error(f"unknown tools {bad} (dtrain, dtrain-ref, openmpi, gloo)")
+    if "dtrain-ref" in a.tools and not (a.dtrain_ref and os.access(a.dtrain_ref, os.X_OK)):
+        p.error("--tools dtrain-ref needs --dtrain-ref PATH (an executable dtrain)")
     if a.min_bytes < 4 or a.max_bytes < a.min_bytes or a.min_bytes & (a.min_bytes - 1) or a.repeats < 1:
         p.error("need 4 <= min-bytes <= max-bytes, min-bytes a power of two, repeats >= 1")
     if "dtrain" in a.tools and not os.access(a.dtrain, os.X_OK):
