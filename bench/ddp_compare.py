@@ -174,12 +174,12 @@ def units_per_step(job, a, world):
     return PER_RANK_BATCH[job] * world * (a.seq_len if job == "gpt" else 1)
 
 
-def run_dtrain(job, a, world, seed, bucket_mb, log):
+def run_dtrain(job, a, world, seed, bucket_mb, log, exe=None):
     W, N = warmup(job, a), steps(job, a)
     with tempfile.TemporaryDirectory() as d:
         metrics = os.path.join(d, "metrics.jsonl")
         trace = os.path.join(d, "trace.json")
-        cmd = [a.dtrain, "train"] + common_args(job, a, world, seed) + [
+        cmd = [exe or a.dtrain, "train"] + common_args(job, a, world, seed) + [
             "--dp", str(world), "--progress=false", "--metrics", metrics, "--log-every", str(W)]
         if world > 1:
             cmd += ["--bucket-mb", f"{bucket_mb:g}", "--zero", str(a.zero)]
@@ -333,6 +333,9 @@ def main():
                    help="a run is quiet when other processes used at most this many CPUs meanwhile")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for one training run (then killed)")
     p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "release", "dtrain"))
+    p.add_argument("--dtrain-ref", default=None,
+                   help="another dtrain binary (the build before a change): its main runs join every repeat "
+                        "and a table of new/old ratios is printed")
     p.add_argument("--python", default="/usr/bin/python3", help="interpreter with PyTorch")
     p.add_argument("--out", default=os.path.join(HERE, "results", "ddp_compare.json"))
     p.add_argument("--quiet", action="store_true")
@@ -365,6 +368,8 @@ def main():
         sys.exit("need at least 2 steps (one of warm-up)")
     if not saved and not os.access(a.dtrain, os.X_OK):
         sys.exit(f"{a.dtrain}: not built (make build)")
+    if not saved and a.dtrain_ref and not os.access(a.dtrain_ref, os.X_OK):
+        sys.exit(f"--dtrain-ref {a.dtrain_ref}: not an executable")
     log = not a.quiet
     wmax = max(worlds)
 
@@ -374,6 +379,8 @@ def main():
         for w in worlds:
             plan.append((j, "dtrain", w, a.bucket_mb))
             plan.append((j, "torch", w, None))
+            if a.dtrain_ref:
+                plan.append((j, "dtrain-ref", w, a.bucket_mb))
         if wmax > 1:
             plan += [(j, "dtrain", wmax, b) for b in sweep if b != a.bucket_mb]
 
@@ -389,10 +396,12 @@ def main():
             print(f"repeat {r + 1}/{a.repeats} (seed {seed}, {'forward' if r % 2 == 0 else 'reversed'} order, "
                   f"{len(order)} runs)", file=sys.stderr, flush=True)
         for job, tool, world, bucket in order:
-            key = f"{job}/{tool}/{world}/{bucket:g}" if tool == "dtrain" and world > 1 else f"{job}/{tool}/{world}"
+            key = f"{job}/{tool}/{world}/{bucket:g}" if tool != "torch" and world > 1 else f"{job}/{tool}/{world}"
             try:
-                rec = run_dtrain(job, a, world, seed, bucket, log) if tool == "dtrain" else \
-                    run_torch(job, a, world, seed, log)
+                if tool == "torch":
+                    rec = run_torch(job, a, world, seed, log)
+                else:
+                    rec = run_dtrain(job, a, world, seed, bucket, log, a.dtrain_ref if tool == "dtrain-ref" else None)
                 rec["repeat"] = r
             except RunError as e:
                 rec = None
@@ -475,6 +484,25 @@ def main():
           f"DDP bucket_cap_mb {a.torch_bucket_mb:g}")
     print_table(["job", "world", "metric", "dtrain median [min-max]", "torch median [min-max]", "dtrain/torch",
                  "ratio per repeat", "bg CPUs d / t"], rows, left=3)
+
+    # ------------------------------------------------------- this build against --dtrain-ref
+    if a.dtrain_ref:
+        def rkey(job, w):
+            return f"{job}/dtrain-ref/{w}/{a.bucket_mb:g}" if w > 1 else f"{job}/dtrain-ref/1"
+        ref_rows = []
+        for j in jobs:
+            for w in worlds:
+                sn, so = summary(rates(dkey(j, w))), summary(rates(rkey(j, w)))
+                per = [x / y for x, y in zip(rates(dkey(j, w)), rates(rkey(j, w))) if x and y]
+                ratio = sn["median"] / so["median"] if sn and so else None
+                results[j].setdefault(f"world{w}", {})["vs_ref"] = {"new": sn, "ref": so, "ratio": ratio,
+                                                                   "ratio_per_repeat": summary(per)}
+                ref_rows.append([j, str(w), fmt(sn, 0), fmt(so, 0), num(ratio, 3),
+                                 fmt(summary(per), 3) if len(per) > 1 else "-"])
+        print()
+        print(f"this build ({a.dtrain}) against --dtrain-ref {a.dtrain_ref}, same runs interleaved")
+        print_table(["job", "world", "new median [min-max]", "ref median [min-max]", "new/ref", "ratio per repeat"],
+                    ref_rows, left=1)
 
     # ---------------------------------------------------------------------------- bucket sweep
     sweep_rows = []
