@@ -49,6 +49,7 @@ ModelSpec mlp_spec(int64_t in, const std::vector<int64_t>& hidden, int64_t class
   m.kind = "mlp";
   m.precision = f32_precision();
   std::vector<std::string> w;
+  w.reserve(widths.size());
   for (int64_t x : widths) w.push_back(std::to_string(x));
   m.description = fmt::format("mlp {}", fmt::join(w, "-"));
   for (size_t i = 0; i + 1 < widths.size(); ++i) {

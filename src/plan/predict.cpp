@@ -92,11 +92,13 @@ Links links_of(const Hardware& hw, const Layout& l) {
   for (int s = 0; s < l.pp; ++s) {
     for (int d = 0; d < l.dp; ++d) {
       std::vector<int> ranks;
+      ranks.reserve(static_cast<size_t>(l.tp));
       for (int t = 0; t < l.tp; ++t) ranks.push_back(mesh_rank(l, d, s, t));
       tp_cross = count(out.tp_flows[static_cast<size_t>(s)], ranks) || tp_cross;
     }
     for (int t = 0; t < l.tp; ++t) {
       std::vector<int> ranks;
+      ranks.reserve(static_cast<size_t>(l.dp));
       for (int d = 0; d < l.dp; ++d) ranks.push_back(mesh_rank(l, d, s, t));
       dp_cross = count(out.dp_flows[static_cast<size_t>(s)], ranks) || dp_cross;
     }
@@ -171,6 +173,8 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
   const Precision& prec = model.precision;
   const std::vector<nn::BlockRange> cuts =
       l.stages.empty() ? parallel::balance_stages(model.block_flops(), model.block_params(), l.pp) : l.stages;
+  // Exact: check_layout refused a batch that does not divide into dp x accumulate x micro-batches.
+  // NOLINTNEXTLINE(bugprone-integer-division)
   const double rows = static_cast<double>(batch / (l.dp * l.accumulate * l.micro_batches));
   const Links links = links_of(hw, l);
 

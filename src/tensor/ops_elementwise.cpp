@@ -66,7 +66,7 @@ Tensor binary_kernel(const Tensor& a, const Tensor& b, const char* op, F f) {
   } else {
     const Shape sa = broadcast_strides(a, out_shape);
     const Shape sb = broadcast_strides(b, out_shape);
-    const Shape so = out.strides();
+    const Shape& so = out.strides();
     const Shape* strides[3] = {&sa, &sb, &so};
     detail::for_each_offset<3>(out_shape, strides,
                                [&](int64_t ia, int64_t ib, int64_t io) { o[io] = f(pa[ia], pb[ib]); });

@@ -10,7 +10,7 @@ namespace dtrain::ops {
 
 namespace {
 
-std::vector<bool> reduced_mask(const Tensor& a, std::vector<int64_t> dims, const char* op) {
+std::vector<bool> reduced_mask(const Tensor& a, const std::vector<int64_t>& dims, const char* op) {
   const int64_t nd = a.dim();
   std::vector<bool> mask(static_cast<size_t>(nd), dims.empty());
   for (int64_t d : dims) {
@@ -116,8 +116,8 @@ Tensor reduce(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim, b
 
 }  // namespace
 
-Tensor sum(const Tensor& a, std::vector<int64_t> dims, bool keepdim) { return reduce(a, dims, keepdim, false); }
+Tensor sum(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) { return reduce(a, dims, keepdim, false); }
 
-Tensor mean(const Tensor& a, std::vector<int64_t> dims, bool keepdim) { return reduce(a, dims, keepdim, true); }
+Tensor mean(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) { return reduce(a, dims, keepdim, true); }
 
 }  // namespace dtrain::ops

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -59,7 +60,7 @@ Progress::Progress(int64_t total_steps, int64_t log_every, bool bar_allowed)
 namespace {
 std::string format_duration(double s) {
   if (s < 0 || s > 1e7) return "--:--";
-  const auto t = static_cast<int64_t>(s + 0.5);
+  const auto t = static_cast<int64_t>(std::llround(s));
   if (t >= 3600) return fmt::format("{}:{:02}:{:02}", t / 3600, (t / 60) % 60, t % 60);
   return fmt::format("{:02}:{:02}", t / 60, t % 60);
 }

@@ -36,8 +36,8 @@ Tensor sum_to(const Tensor& grad, const Shape& shape);
 
 // ---- reductions ----
 /// Sum over `dims` (negative counts from the end; empty = all dims).
-Tensor sum(const Tensor& a, std::vector<int64_t> dims = {}, bool keepdim = false);
-Tensor mean(const Tensor& a, std::vector<int64_t> dims = {}, bool keepdim = false);
+Tensor sum(const Tensor& a, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& a, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 
 // ---- linear algebra ----
 /// a (..., M, K) x b (K, N) or b (..., K, N) with the same leading dims -> (..., M, N).
