@@ -19,6 +19,8 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "dtrain/checkpoint/checkpoint.h"
+#include "dtrain/checkpoint/model_io.h"
 #include "dtrain/core/error.h"
 #include "dtrain/core/file.h"
 #include "dtrain/comm/group.h"
@@ -30,13 +32,17 @@
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
-#include "dtrain/train/checkpoint.h"
 #include "dtrain/train/metrics.h"
-#include "dtrain/train/model_io.h"
 
 namespace dtrain::train {
 
 using Clock = std::chrono::steady_clock;
+using checkpoint::CheckpointFound;
+using checkpoint::Checkpointer;
+using checkpoint::CheckpointShard;
+using checkpoint::ModelFile;
+using checkpoint::params_digest;
+using checkpoint::save_model;
 
 std::shared_ptr<nn::Model> build_model(const TrainConfig& cfg, nn::BlockRange range) {
   if (cfg.model == "mlp") {
