@@ -88,9 +88,8 @@ std::string quoted(const std::string& s) {
   return q + "'";
 }
 
-plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l, int64_t batch,
-                            const std::vector<std::string>& argv, plan::Calibration cal) {
-  std::fprintf(stderr, "dtrain plan: calibrating: ping-pong over shared memory and TCP, kernels of the model...\n");
+// alpha and beta of shared memory and TCP, the reduction and copy rates, the cores.
+void calibrate_links(plan::Calibration& cal) {
   const nlohmann::json shm = bench_link("shm");
   const nlohmann::json tcp = bench_link("tcp");
   cal.shm = {shm.at("alpha_us").get<double>() * 1e-6, shm.at("beta_ns_per_byte").get<double>() * 1e-9};
@@ -98,18 +97,12 @@ plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l
   cal.gamma_s_per_byte = shm.at("gamma_ns_per_byte").get<double>() * 1e-9;
   cal.copy_s_per_byte = 1e-9 / shm.at("memcpy_GBs").get<double>();
   cal.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  // One process alone on the whole batch: T(1), and the FLOP rate for shapes not measured.
-  plan::KernelEntry single = plan::measure_kernels(cfg, batch, 1);
-  const plan::ModelSpec spec = plan::model_of(cfg);
-  double t = 0;
-  for (size_t i = 0; i < single.times.forward.size(); ++i) t += single.times.forward[i] + single.times.backward[i];
-  cal.flops_per_s = 3.0 * spec.flops_per_sample() * static_cast<double>(batch) / t;
-  // The layout's kernels as its ranks see them: as many processes measuring at once as the run
-  // keeps cores busy (they share caches and memory bandwidth; beyond the cores the simulation
-  // shares the cores themselves).
-  const int threads = std::max(1, cfg.threads);
-  const int k = std::max(1, std::min(cal.cores, l.world() * threads) / threads);
-  const int64_t rows = batch / (l.dp * l.accumulate * l.micro_batches);
+}
+
+// What `k` processes measuring the layout's kernels at once saw (this one first): k - 1 copies
+// of this command (--kernel-probe) and this process, all starting at the same moment.
+std::vector<nlohmann::json> probe_concurrently(const train::TrainConfig& cfg, const std::vector<std::string>& argv,
+                                               int k, int64_t rows, int tp) {
   const double at = epoch_seconds() + 0.5;
   std::vector<std::string> files;
   std::string cmd;
@@ -129,7 +122,7 @@ plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l
   });
   nlohmann::json mine;
   try {
-    mine = probe_kernels(cfg, rows, l.tp, at);
+    mine = probe_kernels(cfg, rows, tp, at);
   } catch (...) {
     others.join();
     throw;
@@ -142,6 +135,27 @@ plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l
     std::remove(f.c_str());
     DT_CHECK(rc == 0 && probes.back().is_object(), "plan", "calibration: a kernel probe process failed ({})", rc);
   }
+  return probes;
+}
+
+plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l, int64_t batch,
+                            const std::vector<std::string>& argv, plan::Calibration cal) {
+  std::fprintf(stderr, "dtrain plan: calibrating: ping-pong over shared memory and TCP, kernels of the model...\n");
+  calibrate_links(cal);
+  // One process alone on the whole batch: T(1), and the FLOP rate for shapes not measured.
+  plan::KernelEntry single = plan::measure_kernels(cfg, batch, 1);
+  const plan::ModelSpec spec = plan::model_of(cfg);
+  double t = 0;
+  for (size_t i = 0; i < single.times.forward.size(); ++i) t += single.times.forward[i] + single.times.backward[i];
+  cal.flops_per_s = 3.0 * spec.flops_per_sample() * static_cast<double>(batch) / t;
+  // The layout's kernels as its ranks see them: as many processes measuring at once as the run
+  // keeps cores busy (they share caches and memory bandwidth; beyond the cores the simulation
+  // shares the cores themselves).
+  const int threads = std::max(1, cfg.threads);
+  const int k = std::max(1, std::min(cal.cores, l.world() * threads) / threads);
+  const int64_t rows = batch / (l.dp * l.accumulate * l.micro_batches);
+  const std::vector<nlohmann::json> probes = probe_concurrently(cfg, argv, k, rows, l.tp);
+  const nlohmann::json& mine = probes.front();
   plan::KernelEntry e;
   e.model = train::model_metadata(cfg);
   e.rows = rows;
