@@ -146,7 +146,7 @@ StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
 
 std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
 
-// Point-to-point tags on the world group at the end of a run.
+// Point-to-point tags on the world group at the end of a run (9: the trace, trace.cpp).
 constexpr uint32_t kTagGatherModel = 7;
 constexpr uint32_t kTagEvaluation = 8;
 
@@ -201,6 +201,7 @@ struct RankFigures {
 //   check_outputs  outputs written at the end, refused now rather than lost after the run
 //   build_stage    this rank's stage of the model, its tensor-parallel shard, the memory check,
 //                  the data-parallel reducer, the pipeline, the optimizer
+//   (the faults)   DTRAIN_FAULT's faults for this rank (launch/fault.h), fired in the steps
 //   resume         the checkpointer, and the newest complete checkpoint loaded into the stage
 //   plan_steps     the data order, the step count, the learning-rate schedule, the outputs
 //   train_step     one optimizer step (run once per step)
