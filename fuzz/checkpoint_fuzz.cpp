@@ -1,5 +1,5 @@
 // Fuzz target for the checkpoint readers: the model-file decoder that loads every rank's shard
-// (src/train/model_io.cpp) and the manifest parser (src/train/checkpoint.cpp).
+// (src/checkpoint/model_io.cpp) and the manifest parser (src/checkpoint/checkpoint.cpp).
 //
 // The first byte picks the reader; the rest is the input.
 //  - 0 (even): a shard file. Its trailing SHA-256 is recomputed first, so that mutations
@@ -15,9 +15,9 @@
 #include <cstdint>
 #include <string>
 
+#include "dtrain/checkpoint/checkpoint.h"
+#include "dtrain/checkpoint/model_io.h"
 #include "dtrain/core/error.h"
-#include "dtrain/train/checkpoint.h"
-#include "dtrain/train/model_io.h"
 
 namespace {
 
@@ -39,16 +39,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       bytes.replace(bytes.size() - kDigest, kDigest, reinterpret_cast<const char*>(digest), kDigest);
     }
     try {
-      const dtrain::train::ModelFile f = dtrain::train::decode_model(bytes, "fuzz input");
-      check(dtrain::train::encode_model(f) == bytes);
+      const dtrain::checkpoint::ModelFile f = dtrain::checkpoint::decode_model(bytes, "fuzz input");
+      check(dtrain::checkpoint::encode_model(f) == bytes);
     } catch (const dtrain::Error& e) {
       check(e.what()[0] != '\0');
     }
     return 0;
   }
   static const nlohmann::json layout{{"dp", 2}, {"pp", 1}, {"tp", 1}, {"zero", 0}};
-  std::vector<dtrain::train::ManifestFile> files;
-  const std::string bad = dtrain::train::parse_manifest(bytes, 12, layout, &files);
+  std::vector<dtrain::checkpoint::ManifestFile> files;
+  const std::string bad = dtrain::checkpoint::parse_manifest(bytes, 12, layout, &files);
   if (bad.empty()) {
     check(!files.empty());
     for (const auto& f : files)

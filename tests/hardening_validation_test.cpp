@@ -12,14 +12,14 @@
 #include <vector>
 
 #include "cli_util.h"
+#include "dtrain/checkpoint/checkpoint.h"
+#include "dtrain/checkpoint/model_io.h"
 #include "dtrain/core/error.h"
-#include "dtrain/train/checkpoint.h"
-#include "dtrain/train/model_io.h"
 
 namespace {
 
-using dtrain::train::Checkpointer;
-using dtrain::train::CheckpointShard;
+using dtrain::checkpoint::Checkpointer;
+using dtrain::checkpoint::CheckpointShard;
 
 const std::string kMlp = "train --model mlp --hidden 32 --progress=false";
 
@@ -139,7 +139,7 @@ TEST_F(HardeningValidation, DiffRefusesANanToleranceAndNamesADirectory) {
   EXPECT_EQ(dir.code, 2) << dir.output;
   EXPECT_NE(dir.output.find(path("adir") + ": is a directory, not a model file"), std::string::npos) << dir.output;
   EXPECT_EQ(dir.output.find("basic_filebuf"), std::string::npos) << dir.output;
-  const std::string msg = error_of([&] { dtrain::train::load_model("/dev/null"); });
+  const std::string msg = error_of([&] { dtrain::checkpoint::load_model("/dev/null"); });
   EXPECT_NE(msg.find("/dev/null: not a regular file"), std::string::npos) << msg;
 }
 
@@ -167,7 +167,7 @@ TEST_F(HardeningValidation, AManifestWithFieldsOfTheWrongTypeFallsBackToTheCheck
     ASSERT_NE(at, std::string::npos) << breaks[i].first << " in " << text;
     text.replace(at, breaks[i].first.size(), breaks[i].second);
     std::ofstream(manifest, std::ios::trunc) << text;
-    EXPECT_FALSE(dtrain::train::checkpoint_damage(dir, 20, nlohmann::json::object()).empty()) << breaks[i].second;
+    EXPECT_FALSE(dtrain::checkpoint::checkpoint_damage(dir, 20, nlohmann::json::object()).empty()) << breaks[i].second;
     Checkpointer ck(dir, 3, nullptr, kLayout);
     const auto found = ck.latest(nlohmann::json{{"model", "m"}});
     ASSERT_TRUE(found.has_value()) << breaks[i].second;
@@ -178,7 +178,7 @@ TEST_F(HardeningValidation, AManifestWithFieldsOfTheWrongTypeFallsBackToTheCheck
   two_checkpoints(dir);
   fs::remove(dir + "/step-00000020/manifest.json");
   fs::create_directory(dir + "/step-00000020/manifest.json");
-  EXPECT_EQ(dtrain::train::checkpoint_damage(dir, 20, nlohmann::json::object()), "manifest.json: is a directory");
+  EXPECT_EQ(dtrain::checkpoint::checkpoint_damage(dir, 20, nlohmann::json::object()), "manifest.json: is a directory");
   Checkpointer ck(dir, 3, nullptr, kLayout);
   EXPECT_EQ(ck.latest(nlohmann::json::object())->step, 10);
 }
@@ -214,17 +214,17 @@ TEST_F(HardeningValidation, AShardWithMetadataOfTheWrongTypeFallsBackToTheCheckp
     const std::string dir = path("ck" + std::to_string(i));
     two_checkpoints(dir);
     const std::string shard = dir + "/step-00000020/rank-0.dtm";
-    dtrain::train::ModelFile file = dtrain::train::load_model(shard);
+    dtrain::checkpoint::ModelFile file = dtrain::checkpoint::load_model(shard);
     nlohmann::json meta = nlohmann::json::parse(file.metadata);
     meta[breaks[i].first] = breaks[i].second;
     file.metadata = meta.dump();
-    const std::string bytes = dtrain::train::encode_model(file);
+    const std::string bytes = dtrain::checkpoint::encode_model(file);
     dtrain::write_file_atomic(shard, bytes);
     const std::string manifest = dir + "/step-00000020/manifest.json";
     nlohmann::json m = nlohmann::json::parse(slurp(manifest));
-    m["files"][0]["sha256"] = dtrain::train::sha256_hex(bytes.data(), bytes.size());
+    m["files"][0]["sha256"] = dtrain::checkpoint::sha256_hex(bytes.data(), bytes.size());
     std::ofstream(manifest, std::ios::trunc) << m.dump(1);
-    const std::string damage = dtrain::train::checkpoint_damage(dir, 20, nlohmann::json::object());
+    const std::string damage = dtrain::checkpoint::checkpoint_damage(dir, 20, nlohmann::json::object());
     EXPECT_NE(damage.find("rank-0.dtm: its metadata"), std::string::npos) << breaks[i].first << ": " << damage;
     Checkpointer ck(dir, 3, nullptr, kLayout);
     const auto found = ck.latest(nlohmann::json::object());
@@ -250,10 +250,10 @@ TEST_F(HardeningValidation, ACheckpointDirThatCannotBeListedOrWrittenIsRefusedAt
           "--checkpoint-dir " + path("afile/ck") + ": cannot create it: Not a directory");
   refused(kMlp + " --steps 20 --checkpoint-every 10 --checkpoint-dir /proc", "--checkpoint-dir /proc: cannot write in it");
   // The listing itself: an error naming the directory; a directory not made yet has no steps.
-  const std::string msg = error_of([&] { dtrain::train::checkpoint_steps(path("afile")); });
+  const std::string msg = error_of([&] { dtrain::checkpoint::checkpoint_steps(path("afile")); });
   EXPECT_NE(msg.find("checkpoint dir " + path("afile") + ": cannot list it: Not a directory"), std::string::npos)
       << msg;
-  EXPECT_TRUE(dtrain::train::checkpoint_steps(path("not-yet")).empty());
+  EXPECT_TRUE(dtrain::checkpoint::checkpoint_steps(path("not-yet")).empty());
   // A new directory is created (with its parents), and a run in it works.
   ProcessResult made = dtrain(kMlp + " --steps 10 --checkpoint-every 10 --checkpoint-dir " + path("new/ck"));
   EXPECT_EQ(made.code, 0) << made.output;
@@ -292,7 +292,7 @@ TEST_F(HardeningValidation, TwoRunsNeverWriteOneCheckpointDir) {
   wait_code(bg);
   // Killed: the kernel released its lock; the same job starts again and resumes.
   EXPECT_EQ(error_of([&] { Checkpointer again(path("run"), 3, nullptr, kLayout); }), "");
-  const std::vector<int64_t> steps = dtrain::train::checkpoint_steps(path("run"));
+  const std::vector<int64_t> steps = dtrain::checkpoint::checkpoint_steps(path("run"));
   ASSERT_FALSE(steps.empty());
   ProcessResult resumed = dtrain(job + " --steps " + std::to_string(steps.front() + 10));
   EXPECT_EQ(resumed.code, 0) << resumed.output;

@@ -16,16 +16,15 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <regex>
 #include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
 #include "finish.h"
+#include "flight_records.h"
 
 extern char** environ;
 
@@ -159,93 +158,6 @@ std::string describe(const WorkerExit& w) {
                      w.stopped_by_launcher ? " after the launcher stopped it" : "");
 }
 
-// The flight records the workers dumped on their first failure (DTRAIN_FLIGHT_DIR/rank-R.json),
-// in rank order: (path, contents).
-struct FlightRecord {
-  std::string path, text;
-};
-
-std::vector<FlightRecord> read_flight_records(const std::string& dir) {
-  std::vector<std::string> files;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (const dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name.starts_with("rank-") && name.ends_with(".json")) files.push_back(name);
-    }
-    ::closedir(d);
-  }
-  std::sort(files.begin(), files.end(), [](const std::string& a, const std::string& b) {
-    return std::strtol(a.c_str() + 5, nullptr, 10) < std::strtol(b.c_str() + 5, nullptr, 10);
-  });
-  std::vector<FlightRecord> out;
-  for (const std::string& name : files) {
-    std::ifstream in(dir + "/" + name);
-    out.push_back({dir + "/" + name, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())});
-  }
-  return out;
-}
-
-// For each rank, the operation it was in (or its last one), so the report says who waited on
-// whom. Records that cannot be parsed are named, not fatal.
-std::string flight_summary(const std::vector<FlightRecord>& records) {
-  std::string out;
-  for (const FlightRecord& record : records) {
-    const std::string& path = record.path;
-    try {
-      const nlohmann::json j = nlohmann::json::parse(record.text);
-      std::string line;
-      for (const auto& g : j.at("groups")) {
-        const auto& entries = g.at("entries");
-        if (entries.empty()) continue;
-        // The oldest operation that did not complete, else the last one.
-        const nlohmann::json* pick = &entries.back();
-        for (const auto& e : entries) {
-          if (e.at("state") != "done") {
-            pick = &e;
-            break;
-          }
-        }
-        const auto& e = *pick;
-        const std::string state = e.at("state");
-        const double started = e.at("started_ms_ago").is_number() ? e.at("started_ms_ago").get<double>() : 0.0;
-        const double finished = e.at("finished_ms_ago").is_number() ? e.at("finished_ms_ago").get<double>() : 0.0;
-        std::string what = fmt::format("{} #{} ({} bytes{}) on group '{}' (rank {} of {}, {})",
-                                       e.at("op").get<std::string>(), e.at("seq").get<uint64_t>(),
-                                       e.at("bytes").get<uint64_t>(),
-                                       e.at("peer").get<int>() >= 0 ? fmt::format(", peer/root {}", e.at("peer").get<int>()) : "",
-                                       g.at("group").get<std::string>(), g.at("rank").get<int>(), g.at("size").get<int>(),
-                                       g.at("transport").get<std::string>());
-        if (state == "done") {
-          line += fmt::format("\n    last completed {}", what);
-        } else {
-          line += fmt::format("\n    {} {} after {:.0f} ms", state, what, std::max(0.0, started - finished));
-          if (!e.at("error").get<std::string>().empty()) line += ": " + e.at("error").get<std::string>();
-        }
-      }
-      out += fmt::format("  rank {}:{}\n", j.at("rank").get<std::string>(), line.empty() ? " no operations" : line);
-    } catch (const std::exception& e) {
-      out += fmt::format("  {}: unreadable flight record ({})\n", path, e.what());
-    }
-  }
-  return out;
-}
-
-// A rank that the heartbeats found silent (stopped, hung), named in a worker's flight record;
-// -1 if none (*stalled: it made no progress rather than went silent). That rank is the
-// failure, not the worker that noticed and exited first.
-int silent_rank(const std::vector<FlightRecord>& records, bool* stalled) {
-  static const std::regex silent("rank (\\d+) (sent no heartbeat|made no progress)");
-  int found = -1;
-  for (const FlightRecord& record : records) {
-    std::smatch m;
-    if (std::regex_search(record.text, m, silent)) {
-      found = std::stoi(m[1].str());
-      *stalled = m[2].str() == "made no progress";
-    }
-  }
-  return found;
-}
-
 void remove_directory(const std::string& dir) {
   if (DIR* d = ::opendir(dir.c_str())) {
     while (const dirent* e = ::readdir(d)) {
@@ -301,7 +213,12 @@ void finish_together(comm::Store& store, const std::string& done_key, int64_t me
   }
 }
 
-LaunchResult run_launch(const LaunchOptions& o) {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+// Bad options fail here, before anything (store, signal handlers, flight directory) exists.
+void check_options(const LaunchOptions& o) {
   DT_CHECK(!o.command.empty(), "launch", "no command to run (usage: dtrain launch -n N -- PROGRAM ARGS...)");
   DT_CHECK(o.nproc_per_node >= 1 && o.nproc_per_node <= 1024, "launch", "-n {} out of range [1, 1024]",
            o.nproc_per_node);
@@ -309,12 +226,10 @@ LaunchResult run_launch(const LaunchOptions& o) {
            "--node-rank {} out of range for --nnodes {}", o.node_rank, o.nnodes);
   DT_CHECK(o.nnodes == 1 || o.master_port > 0, "launch", "--master-port is required with --nnodes {}", o.nnodes);
   DT_CHECK(o.master_port >= 0 && o.master_port < 65536, "launch", "--master-port {} out of range", o.master_port);
-  // CPUs for each local worker (empty: no binding); a bad --bind fails here, before anything
-  // (store, signal handlers, flight directory) exists.
-  const std::vector<cpu_set_t> cpus = worker_cpus(o);
-  int job_cpus = 0;
-  for (const cpu_set_t& c : cpus) job_cpus += CPU_COUNT(&c);
+}
 
+// The job's secret: the option's, else DTRAIN_SECRET, else (one node) a fresh one; checked.
+std::string job_secret(const LaunchOptions& o) {
   std::string secret = o.secret;
   if (secret.empty()) {
     const char* env = std::getenv("DTRAIN_SECRET");
@@ -324,370 +239,515 @@ LaunchResult run_launch(const LaunchOptions& o) {
   }
   comm::check_secret(secret,
                      o.secret.empty() ? "dtrain launch: DTRAIN_SECRET" : "dtrain launch: LaunchOptions::secret");
-  // Node 0 hosts the rendezvous store for the whole job.
-  std::unique_ptr<comm::TcpStoreServer> server;
-  int port = o.master_port;
-  if (o.node_rank == 0 && o.serve_store) {
-    server = std::make_unique<comm::TcpStoreServer>(o.master_addr, static_cast<uint16_t>(port), secret);
-    port = server->port();
-  }
+  return secret;
+}
 
-  DT_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "launch", "pipe: {}", std::strerror(errno));
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {}, old_term {};
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
-  // The handlers back and the signal pipe closed: at the end, or when starting workers failed.
-  auto restore_signals = [&] {
-    sigaction(SIGINT, &old_int, nullptr);
-    sigaction(SIGTERM, &old_term, nullptr);
-    ::close(g_signal_pipe[0]);
-    ::close(g_signal_pipe[1]);
-  };
+// Where the workers dump their flight records on a failure: a directory of this launch's own
+// (under the user's DTRAIN_FLIGHT_DIR if set, else /tmp), so the report never shows records
+// of an earlier start; empty when it cannot be made.
+std::string make_flight_dir() {
+  const char* env = std::getenv("DTRAIN_FLIGHT_DIR");
+  std::string tmpl = (env != nullptr && *env != '\0' ? std::string(env) : std::string("/tmp")) + "/dtrain-flight-XXXXXX";
+  return ::mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
+}
 
-  // Where the workers dump their flight records on a failure: a directory of this launch's own
-  // (under the user's DTRAIN_FLIGHT_DIR if set, else /tmp), so the report never shows records
-  // of an earlier start; removed after a clean run, kept (and named) after a failure.
-  std::string flight_dir;
-  bool keep_flight_dir = false;
-  {
-    const char* env = std::getenv("DTRAIN_FLIGHT_DIR");
-    std::string tmpl = (env != nullptr && *env != '\0' ? std::string(env) : std::string("/tmp")) + "/dtrain-flight-XXXXXX";
-    if (::mkdtemp(tmpl.data()) != nullptr) flight_dir = tmpl;
-  }
+// One run_launch, in phases that run() calls in order:
+//   start          the CPU binding, the secret, node 0's store, the signal handlers, the flight
+//                  directory (the constructor), then every local worker
+//   supervise      until every worker ended and its output is drained: signals forwarded,
+//                  output prefixed, exits reaped, the first failure stopping the rest
+//   report         the workers' exits, who failed first, the flight records' summary
+//   finish_nodes   several nodes: node 0's store outlives the others' last use of it
+class Launch {
+ public:
+  explicit Launch(const LaunchOptions& o);
+  LaunchResult run();
 
-  const int world = o.nnodes * o.nproc_per_node;
-  std::vector<Worker> workers(static_cast<size_t>(o.nproc_per_node));
-  const pid_t launcher_pid = ::getpid();
-  // Starting a worker can fail (no file descriptors for its pipes, no processes left): the
-  // workers started so far are stopped and reaped before the error leaves, never orphaned.
-  auto abandon_started = [&](const std::string& why) {
-    for (auto& w : workers) {
-      if (w.pid <= 0) continue;
-      ::kill(-w.pid, SIGKILL);
-      ::kill(w.pid, SIGKILL);
-      int status = 0;
-      (void)::waitpid(w.pid, &status, 0);
-      remove_shm_of(w.pid);
-      if (w.out_fd >= 0) ::close(w.out_fd);
-      if (w.err_fd >= 0) ::close(w.err_fd);
-    }
-    restore_signals();
-    if (!flight_dir.empty()) remove_directory(flight_dir);
-    int started = 0;
-    for (const auto& w : workers) started += w.pid > 0 ? 1 : 0;
-    DT_THROW("launch", "{} (while starting worker {} of {}); the {} already started were stopped", why, started + 1,
-             o.nproc_per_node, started);
-  };
-  for (int local = 0; local < o.nproc_per_node; ++local) {
-    Worker& w = workers[static_cast<size_t>(local)];
-    w.rank = o.node_rank * o.nproc_per_node + local;
-    int out[2] = {-1, -1}, err[2] = {-1, -1};
-    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
-      const int e = errno;
-      for (int fd : {out[0], out[1], err[0], err[1]}) {
-        if (fd >= 0) ::close(fd);
-      }
-      abandon_started(fmt::format("cannot create the pipes for a worker's output: {}", std::strerror(e)));
-    }
-    // A child inherits our handler, which reports signals through our pipe: a SIGTERM that
-    // reaches it before it restored the default would look like one sent to the launcher.
-    // Block the signals across the fork; the child unblocks them after restoring defaults.
-    sigset_t block{}, previous{};
-    sigemptyset(&block);
-    sigaddset(&block, SIGINT);
-    sigaddset(&block, SIGTERM);
-    ::sigprocmask(SIG_BLOCK, &block, &previous);
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      // A worker never outlives its launcher, whatever the heartbeat setting: killed with it
-      // (and at once if the launcher died before this line).
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      ::sigprocmask(SIG_SETMASK, &previous, nullptr);
-      ::setpgid(0, 0);  // its own process group, so stopping a worker stops its children too
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(err[1], STDERR_FILENO);
-      if (!cpus.empty()) {
-        (void)::sched_setaffinity(0, sizeof(cpu_set_t), &cpus[static_cast<size_t>(local)]);
-        ::setenv("DTRAIN_JOB_CPUS", std::to_string(job_cpus).c_str(), 1);  // not its slice: see shm_collectives
-      }
-      ::setenv("RANK", std::to_string(w.rank).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node).c_str(), 1);
-      ::setenv("NODE_RANK", std::to_string(o.node_rank).c_str(), 1);
-      ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("DTRAIN_SECRET", secret.c_str(), 1);
-      ::setenv("DTRAIN_STORE_HOSTED", "1", 1);
-      if (!flight_dir.empty()) ::setenv("DTRAIN_FLIGHT_DIR", flight_dir.c_str(), 1);
-      if (!o.run_id.empty()) ::setenv("DTRAIN_RUN_ID", o.run_id.c_str(), 1);
-      std::vector<char*> argv;
-      for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execvp(argv[0], argv.data());
-      std::fprintf(stderr, "dtrain launch: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
-      ::_exit(127);
-    }
-    const int fork_errno = errno;
-    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
-    if (pid < 0) {
-      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
-      abandon_started(fmt::format("fork failed: {}", std::strerror(fork_errno)));
-    }
-    ::setpgid(pid, pid);  // also here: whichever runs first wins the race
-    ::close(out[1]);
-    ::close(err[1]);
-    w.pid = pid;
-    w.out_fd = out[0];
-    w.err_fd = err[0];
-    w.running = true;
-    w.exit.rank = w.rank;
-    w.exit.pid = pid;
-  }
+ private:
+  void install_signal_handlers();
+  void restore_signals();
+  void start_workers();
+  void start_worker(int local);
+  [[noreturn]] void exec_worker(const Worker& w, int local, const int out[2], const int err[2],
+                                const sigset_t& previous) const;
+  [[noreturn]] void abandon_started(const std::string& why);
 
-  LaunchResult result;
-  bool stopping = false;
-  auto stop_deadline = std::chrono::steady_clock::time_point::max();
-  int received_signal = 0;
-  // Signals each running worker's process group (the worker and anything it started). A
-  // reaped worker is never signalled: its pid may already belong to someone else.
-  auto stop_all = [&](int sig) {
-    for (auto& w : workers) {
-      if (w.running) {
-        ::kill(-w.pid, sig);
-        w.exit.stopped_by_launcher = true;
-      }
-    }
-  };
-  auto all_exited_at = std::chrono::steady_clock::time_point::max();
+  void supervise();
+  void forward_signals();
+  void check_interrupt();
+  void pump_output();
+  void read_output(Worker& w, int* fd) const;
+  std::vector<Worker*> reap_exits();
+  void fail_early_exits(std::vector<Worker*>& failed_now);
+  void stop_for_failures(std::vector<Worker*>& failed_now);
+  bool output_drained();
+  void stop_all(int sig);
+  SteadyClock::time_point grace_deadline() const;
+  bool store_has(const std::string& key);
+  bool joined(int rank) { return store_has(fmt::format("{}/joined/{}", world_name_, rank)); }
+  bool left(int rank) { return store_has(fmt::format("{}/left/{}", world_name_, rank)); }
+
+  void report();
+  void explain_from_flight_records();
+  void finish_nodes();
+
+  const LaunchOptions& o_;
+  std::vector<cpu_set_t> cpus_;  // of each local worker; empty: no binding
+  int job_cpus_ = 0;
+  std::string secret_;
+  std::unique_ptr<comm::TcpStoreServer> server_;
+  int port_ = 0;
+  struct sigaction old_int_ {}, old_term_ {};
+  std::string flight_dir_;
+  bool keep_flight_dir_ = false;
+  int world_ = 0;
+  std::vector<Worker> workers_;
+  pid_t launcher_pid_ = 0;
+
+  LaunchResult result_;
+  bool stopping_ = false;
+  SteadyClock::time_point stop_deadline_ = SteadyClock::time_point::max();
+  int received_signal_ = 0;
+  SteadyClock::time_point all_exited_at_ = SteadyClock::time_point::max();
   // Whether a worker that exited 0 had finished: dtrain's world groups record in the store when
   // a rank joins (before its rendezvous) and when it leaves (its world closed cleanly). Asked
   // through a connection of our own, opened when first needed; plain programs never join, and
   // their exit 0 is a success as before.
-  const std::string world_name = o.run_id.empty() ? std::string("world") : "world@" + o.run_id;
-  std::shared_ptr<comm::Store> probe;
-  bool probe_failed = false;
-  auto store_has = [&](const std::string& key) -> bool {
-    for (int attempt = 0; !probe_failed; ++attempt) {
-      try {
-        if (!probe) {
-          probe = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(port), secret, std::chrono::seconds(5));
-        }
-        return probe->try_get(key).has_value();
-      } catch (const std::exception& e) {
-        probe.reset();
-        if (attempt == 0) continue;  // once more on a fresh connection
-        probe_failed = true;  // no store to ask: exits are judged by their codes alone
-        std::fprintf(stderr, "dtrain launch: cannot ask the store whether workers finished: %s\n", e.what());
-      }
-    }
-    return false;
-  };
-  auto joined = [&](int rank) { return store_has(fmt::format("{}/joined/{}", world_name, rank)); };
-  auto left = [&](int rank) { return store_has(fmt::format("{}/left/{}", world_name, rank)); };
-  auto next_early_check = std::chrono::steady_clock::now();
+  std::string world_name_;
+  std::shared_ptr<comm::Store> probe_;
+  bool probe_failed_ = false;
+  SteadyClock::time_point next_early_check_;
+};
 
+Launch::Launch(const LaunchOptions& o) : o_(o) {
+  // CPUs for each local worker (empty: no binding); a bad --bind fails here, before anything
+  // (store, signal handlers, flight directory) exists.
+  cpus_ = worker_cpus(o_);
+  for (const cpu_set_t& c : cpus_) job_cpus_ += CPU_COUNT(&c);
+  secret_ = job_secret(o_);
+  // Node 0 hosts the rendezvous store for the whole job.
+  port_ = o_.master_port;
+  if (o_.node_rank == 0 && o_.serve_store) {
+    server_ = std::make_unique<comm::TcpStoreServer>(o_.master_addr, static_cast<uint16_t>(port_), secret_);
+    port_ = server_->port();
+  }
+  install_signal_handlers();
+  // Removed after a clean run, kept (and named) after a failure.
+  flight_dir_ = make_flight_dir();
+  world_ = o_.nnodes * o_.nproc_per_node;
+  world_name_ = o_.run_id.empty() ? std::string("world") : "world@" + o_.run_id;
+}
+
+LaunchResult Launch::run() {
+  start_workers();
+  supervise();
+  report();
+  finish_nodes();
+  return result_;
+}
+
+// ------------------------------------------------------------------ starting
+
+void Launch::install_signal_handlers() {
+  DT_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "launch", "pipe: {}", std::strerror(errno));
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int_);
+  sigaction(SIGTERM, &sa, &old_term_);
+}
+
+// The handlers back and the signal pipe closed: at the end, or when starting workers failed.
+void Launch::restore_signals() {
+  sigaction(SIGINT, &old_int_, nullptr);
+  sigaction(SIGTERM, &old_term_, nullptr);
+  ::close(g_signal_pipe[0]);
+  ::close(g_signal_pipe[1]);
+}
+
+void Launch::start_workers() {
+  workers_.resize(static_cast<size_t>(o_.nproc_per_node));
+  launcher_pid_ = ::getpid();
+  for (int local = 0; local < o_.nproc_per_node; ++local) start_worker(local);
+}
+
+// Forks local worker `local` with its output on two pipes of ours.
+void Launch::start_worker(int local) {
+  Worker& w = workers_[static_cast<size_t>(local)];
+  w.rank = o_.node_rank * o_.nproc_per_node + local;
+  int out[2] = {-1, -1}, err[2] = {-1, -1};
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
+    const int e = errno;
+    for (int fd : {out[0], out[1], err[0], err[1]}) {
+      if (fd >= 0) ::close(fd);
+    }
+    abandon_started(fmt::format("cannot create the pipes for a worker's output: {}", std::strerror(e)));
+  }
+  // A child inherits our handler, which reports signals through our pipe: a SIGTERM that
+  // reaches it before it restored the default would look like one sent to the launcher.
+  // Block the signals across the fork; the child unblocks them after restoring defaults.
+  sigset_t block{}, previous{};
+  sigemptyset(&block);
+  sigaddset(&block, SIGINT);
+  sigaddset(&block, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &block, &previous);
+  const pid_t pid = ::fork();
+  if (pid == 0) exec_worker(w, local, out, err, previous);
+  const int fork_errno = errno;
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+  if (pid < 0) {
+    for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+    abandon_started(fmt::format("fork failed: {}", std::strerror(fork_errno)));
+  }
+  ::setpgid(pid, pid);  // also here: whichever runs first wins the race
+  ::close(out[1]);
+  ::close(err[1]);
+  w.pid = pid;
+  w.out_fd = out[0];
+  w.err_fd = err[0];
+  w.running = true;
+  w.exit.rank = w.rank;
+  w.exit.pid = pid;
+}
+
+// In the child: its signals, process group, output, CPUs and environment, then the command.
+void Launch::exec_worker(const Worker& w, int local, const int out[2], const int err[2],
+                         const sigset_t& previous) const {
+  // A worker never outlives its launcher, whatever the heartbeat setting: killed with it
+  // (and at once if the launcher died before this line).
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher_pid_) ::_exit(128 + SIGKILL);
+  ::signal(SIGINT, SIG_DFL);
+  ::signal(SIGTERM, SIG_DFL);
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+  ::setpgid(0, 0);  // its own process group, so stopping a worker stops its children too
+  ::dup2(out[1], STDOUT_FILENO);
+  ::dup2(err[1], STDERR_FILENO);
+  if (!cpus_.empty()) {
+    (void)::sched_setaffinity(0, sizeof(cpu_set_t), &cpus_[static_cast<size_t>(local)]);
+    ::setenv("DTRAIN_JOB_CPUS", std::to_string(job_cpus_).c_str(), 1);  // not its slice: see shm_collectives
+  }
+  ::setenv("RANK", std::to_string(w.rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world_).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node).c_str(), 1);
+  ::setenv("NODE_RANK", std::to_string(o_.node_rank).c_str(), 1);
+  ::setenv("MASTER_ADDR", o_.master_addr.c_str(), 1);
+  ::setenv("MASTER_PORT", std::to_string(port_).c_str(), 1);
+  ::setenv("DTRAIN_SECRET", secret_.c_str(), 1);
+  ::setenv("DTRAIN_STORE_HOSTED", "1", 1);
+  if (!flight_dir_.empty()) ::setenv("DTRAIN_FLIGHT_DIR", flight_dir_.c_str(), 1);
+  if (!o_.run_id.empty()) ::setenv("DTRAIN_RUN_ID", o_.run_id.c_str(), 1);
+  std::vector<char*> argv;
+  for (const auto& a : o_.command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  std::fprintf(stderr, "dtrain launch: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
+  ::_exit(127);
+}
+
+// Starting a worker can fail (no file descriptors for its pipes, no processes left): the
+// workers started so far are stopped and reaped before the error leaves, never orphaned.
+void Launch::abandon_started(const std::string& why) {
+  for (auto& w : workers_) {
+    if (w.pid <= 0) continue;
+    ::kill(-w.pid, SIGKILL);
+    ::kill(w.pid, SIGKILL);
+    int status = 0;
+    (void)::waitpid(w.pid, &status, 0);
+    remove_shm_of(w.pid);
+    if (w.out_fd >= 0) ::close(w.out_fd);
+    if (w.err_fd >= 0) ::close(w.err_fd);
+  }
+  restore_signals();
+  if (!flight_dir_.empty()) remove_directory(flight_dir_);
+  int started = 0;
+  for (const auto& w : workers_) started += w.pid > 0 ? 1 : 0;
+  DT_THROW("launch", "{} (while starting worker {} of {}); the {} already started were stopped", why, started + 1,
+           o_.nproc_per_node, started);
+}
+
+// ------------------------------------------------------------------ supervising
+
+void Launch::supervise() {
+  next_early_check_ = SteadyClock::now();
   while (true) {
     std::vector<pollfd> fds;
     fds.push_back({g_signal_pipe[0], POLLIN, 0});
-    for (auto& w : workers) {
+    for (auto& w : workers_) {
       if (w.out_fd >= 0) fds.push_back({w.out_fd, POLLIN, 0});
       if (w.err_fd >= 0) fds.push_back({w.err_fd, POLLIN, 0});
     }
     ::poll(fds.data(), fds.size(), 100);
-    // Signals: forward, then escalate after the grace period.
-    char c;
-    while (::read(g_signal_pipe[0], &c, 1) == 1) {
-      received_signal = c;
-      if (!stopping) {
-        stopping = true;
-        stop_deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
-      }
-      stop_all(c);
+    forward_signals();
+    check_interrupt();
+    pump_output();
+    // Exits: reap every worker that ended, then decide.
+    std::vector<Worker*> failed_now = reap_exits();
+    fail_early_exits(failed_now);
+    stop_for_failures(failed_now);
+    if (stopping_ && SteadyClock::now() > stop_deadline_) {
+      stop_all(SIGKILL);
+      stop_deadline_ = SteadyClock::time_point::max();
     }
-    // Asked to stop from outside (elastic: another node failed or wants to join).
-    if (o.interrupt && !stopping &&
-        std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; })) {
-      const std::string why = o.interrupt();
-      if (!why.empty()) {
-        stopping = true;
-        result.interrupted = true;
-        result.report += why + "\n";
-        stop_deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
-        stop_all(SIGTERM);
-        stop_all(SIGCONT);
+    if (output_drained()) break;
+  }
+}
+
+// Signals to the launcher: forwarded to the workers, escalated after the grace period.
+void Launch::forward_signals() {
+  char c;
+  while (::read(g_signal_pipe[0], &c, 1) == 1) {
+    received_signal_ = c;
+    if (!stopping_) {
+      stopping_ = true;
+      stop_deadline_ = grace_deadline();
+    }
+    stop_all(c);
+  }
+}
+
+// Asked to stop from outside (elastic: another node failed or wants to join).
+void Launch::check_interrupt() {
+  if (!o_.interrupt || stopping_ ||
+      std::none_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) {
+    return;
+  }
+  const std::string why = o_.interrupt();
+  if (why.empty()) return;
+  stopping_ = true;
+  result_.interrupted = true;
+  result_.report += why + "\n";
+  stop_deadline_ = grace_deadline();
+  stop_all(SIGTERM);
+  stop_all(SIGCONT);
+}
+
+void Launch::pump_output() {
+  for (auto& w : workers_) {
+    for (int* fd : {&w.out_fd, &w.err_fd}) read_output(w, fd);
+  }
+}
+
+// What worker `w` wrote on *fd (its stdout or stderr pipe) since the last look, passed on in
+// whole lines with its rank's prefix; at the end of the stream, the rest, and *fd closed.
+void Launch::read_output(Worker& w, int* fd) const {
+  if (*fd < 0) return;
+  pollfd p{*fd, POLLIN, 0};
+  if (::poll(&p, 1, 0) <= 0) return;
+  char buf[65536];
+  const ssize_t n = ::read(*fd, buf, sizeof(buf));
+  std::string& acc = fd == &w.out_fd ? w.out_buf : w.err_buf;
+  const int target = fd == &w.out_fd ? STDOUT_FILENO : STDERR_FILENO;
+  const std::string prefix = o_.prefix_output ? fmt::format("[rank {}] ", w.rank) : "";
+  bool* split = fd == &w.out_fd ? &w.out_split : &w.err_split;
+  if (n > 0) {
+    acc.append(buf, static_cast<size_t>(n));
+    flush_lines(acc, target, prefix, false, split);
+  } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+    flush_lines(acc, target, prefix, true);
+    ::close(*fd);
+    *fd = -1;
+  }
+}
+
+// The workers that ended since the last look and failed: exited non-zero, killed by a signal,
+// or exited 0 after joining the world without leaving it. Those that exited 0 before joining
+// are marked (fail_early_exits decides about them).
+std::vector<Worker*> Launch::reap_exits() {
+  std::vector<Worker*> failed_now;
+  for (auto& w : workers_) {
+    if (!w.running) continue;
+    int status = 0;
+    if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+    w.running = false;
+    remove_shm_of(w.pid);
+    if (WIFSIGNALED(status)) {
+      w.exit.signal = WTERMSIG(status);
+    } else {
+      w.exit.exit_code = WEXITSTATUS(status);
+    }
+    if (w.exit.signal != 0 || w.exit.exit_code != 0) {
+      failed_now.push_back(&w);
+    } else if (!stopping_ && !result_.interrupted) {
+      if (!joined(w.rank)) {
+        w.exited_before_joining = true;  // a failure as soon as another rank joins (below)
+      } else if (!left(w.rank)) {
+        w.exit.early = true;
+        w.exit.why = "before the job ended: it joined the job's world but never left it (its peers would wait "
+                     "for it until their timeout)";
+        failed_now.push_back(&w);
       }
     }
-    // Output.
-    for (auto& w : workers) {
+  }
+  return failed_now;
+}
+
+// A worker that exited 0 before joining fails the job once any rank joined: they would wait
+// for it at the rendezvous until the timeout.
+void Launch::fail_early_exits(std::vector<Worker*>& failed_now) {
+  if (stopping_ || result_.interrupted || SteadyClock::now() < next_early_check_ ||
+      std::none_of(workers_.begin(), workers_.end(),
+                   [](const Worker& w) { return w.exited_before_joining && !w.exit.early; })) {
+    return;
+  }
+  next_early_check_ = SteadyClock::now() + std::chrono::milliseconds(250);
+  std::vector<int> waiting;
+  for (int r = 0; r < world_ && waiting.size() < 8; ++r) {
+    if (joined(r)) waiting.push_back(r);
+  }
+  if (waiting.empty()) return;
+  for (auto& w : workers_) {
+    if (!w.exited_before_joining || w.exit.early) continue;
+    w.exit.early = true;
+    w.exit.why = fmt::format("before joining the job, while rank{} {} joined and wait{} for it at the rendezvous",
+                             waiting.size() > 1 ? "s" : "", fmt::join(waiting, ", "), waiting.size() > 1 ? "" : "s");
+    failed_now.push_back(&w);
+  }
+}
+
+// The first failure stops the job. Its cause is among the workers that failed on their own
+// before the launcher stopped anyone: a worker killed by a signal is the cause rather than the
+// peers that raised because it died (they often end within the same poll interval).
+void Launch::stop_for_failures(std::vector<Worker*>& failed_now) {
+  if (failed_now.empty() || stopping_ || result_.interrupted) return;
+  stopping_ = true;
+  std::stable_sort(failed_now.begin(), failed_now.end(),
+                   [](const Worker* a, const Worker* b) { return (a->exit.signal != 0) > (b->exit.signal != 0); });
+  const bool any_signal = failed_now.front()->exit.signal != 0;
+  for (Worker* w : failed_now) {
+    if (any_signal && w->exit.signal == 0) break;
+    result_.first_failed.push_back(w->rank);
+  }
+  for (Worker* w : failed_now) result_.report += describe(w->exit) + "\n";
+  stop_deadline_ = grace_deadline();
+  stop_all(SIGTERM);
+  stop_all(SIGCONT);  // a stopped (hung) worker takes its SIGTERM now, not at the SIGKILL
+}
+
+// True when every worker exited and its output is read. Every worker exited but something
+// they started still holds their output: stop reading after a grace period instead of waiting
+// on it forever.
+bool Launch::output_drained() {
+  bool running = false, open = false;
+  for (auto& w : workers_) {
+    running = running || w.running;
+    open = open || w.out_fd >= 0 || w.err_fd >= 0;
+  }
+  if (!running && !open) return true;
+  if (!running && all_exited_at_ == SteadyClock::time_point::max()) all_exited_at_ = SteadyClock::now();
+  if (!running && SteadyClock::now() - all_exited_at_ > std::chrono::seconds(2)) {
+    for (auto& w : workers_) {
       for (int* fd : {&w.out_fd, &w.err_fd}) {
-        if (*fd < 0) continue;
-        pollfd p{*fd, POLLIN, 0};
-        if (::poll(&p, 1, 0) <= 0) continue;
-        char buf[65536];
-        const ssize_t n = ::read(*fd, buf, sizeof(buf));
-        std::string& acc = fd == &w.out_fd ? w.out_buf : w.err_buf;
-        const int target = fd == &w.out_fd ? STDOUT_FILENO : STDERR_FILENO;
-        const std::string prefix = o.prefix_output ? fmt::format("[rank {}] ", w.rank) : "";
-        bool* split = fd == &w.out_fd ? &w.out_split : &w.err_split;
-        if (n > 0) {
-          acc.append(buf, static_cast<size_t>(n));
-          flush_lines(acc, target, prefix, false, split);
-        } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
-          flush_lines(acc, target, prefix, true);
+        if (*fd >= 0) {
           ::close(*fd);
           *fd = -1;
         }
       }
     }
-    // Exits: reap every worker that ended, then decide. The first failure's cause is among
-    // the workers that failed on their own before the launcher stopped anyone: a worker killed
-    // by a signal is the cause rather than the peers that raised because it died (they
-    // often end within the same poll interval).
-    std::vector<Worker*> failed_now;
-    for (auto& w : workers) {
-      if (!w.running) continue;
-      int status = 0;
-      if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
-      w.running = false;
-      remove_shm_of(w.pid);
-      if (WIFSIGNALED(status)) {
-        w.exit.signal = WTERMSIG(status);
-      } else {
-        w.exit.exit_code = WEXITSTATUS(status);
-      }
-      if (w.exit.signal != 0 || w.exit.exit_code != 0) {
-        failed_now.push_back(&w);
-      } else if (!stopping && !result.interrupted) {
-        if (!joined(w.rank)) {
-          w.exited_before_joining = true;  // a failure as soon as another rank joins (below)
-        } else if (!left(w.rank)) {
-          w.exit.early = true;
-          w.exit.why = "before the job ended: it joined the job's world but never left it (its peers would wait "
-                       "for it until their timeout)";
-          failed_now.push_back(&w);
-        }
-      }
-    }
-    // A worker that exited 0 before joining fails the job once any rank joined: they would wait
-    // for it at the rendezvous until the timeout.
-    if (!stopping && !result.interrupted && std::chrono::steady_clock::now() >= next_early_check &&
-        std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.exited_before_joining && !w.exit.early; })) {
-      next_early_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(250);
-      std::vector<int> waiting;
-      for (int r = 0; r < world && waiting.size() < 8; ++r) {
-        if (joined(r)) waiting.push_back(r);
-      }
-      if (!waiting.empty()) {
-        for (auto& w : workers) {
-          if (!w.exited_before_joining || w.exit.early) continue;
-          w.exit.early = true;
-          w.exit.why = fmt::format("before joining the job, while rank{} {} joined and wait{} for it at the rendezvous",
-                                   waiting.size() > 1 ? "s" : "", fmt::join(waiting, ", "), waiting.size() > 1 ? "" : "s");
-          failed_now.push_back(&w);
-        }
-      }
-    }
-    if (!failed_now.empty() && !stopping && !result.interrupted) {
-      stopping = true;
-      std::stable_sort(failed_now.begin(), failed_now.end(),
-                       [](const Worker* a, const Worker* b) { return (a->exit.signal != 0) > (b->exit.signal != 0); });
-      const bool any_signal = failed_now.front()->exit.signal != 0;
-      for (Worker* w : failed_now) {
-        if (any_signal && w->exit.signal == 0) break;
-        result.first_failed.push_back(w->rank);
-      }
-      for (Worker* w : failed_now) result.report += describe(w->exit) + "\n";
-      stop_deadline = std::chrono::steady_clock::now() +
-                      std::chrono::milliseconds(static_cast<int64_t>(o.grace_seconds * 1000));
-      stop_all(SIGTERM);
-      stop_all(SIGCONT);  // a stopped (hung) worker takes its SIGTERM now, not at the SIGKILL
-    }
-    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
-      stop_all(SIGKILL);
-      stop_deadline = std::chrono::steady_clock::time_point::max();
-    }
-    bool running = false, open = false;
-    for (auto& w : workers) {
-      running = running || w.running;
-      open = open || w.out_fd >= 0 || w.err_fd >= 0;
-    }
-    if (!running && !open) break;
-    // Every worker exited but something they started still holds their output: stop reading
-    // after a grace period instead of waiting on it forever.
-    if (!running && all_exited_at == std::chrono::steady_clock::time_point::max()) {
-      all_exited_at = std::chrono::steady_clock::now();
-    }
-    if (!running && std::chrono::steady_clock::now() - all_exited_at > std::chrono::seconds(2)) {
-      for (auto& w : workers) {
-        for (int* fd : {&w.out_fd, &w.err_fd}) {
-          if (*fd >= 0) {
-            ::close(*fd);
-            *fd = -1;
-          }
-        }
-      }
-      break;
-    }
+    return true;
   }
+  return false;
+}
 
-  restore_signals();
+// Signals each running worker's process group (the worker and anything it started). A
+// reaped worker is never signalled: its pid may already belong to someone else.
+void Launch::stop_all(int sig) {
+  for (auto& w : workers_) {
+    if (w.running) {
+      ::kill(-w.pid, sig);
+      w.exit.stopped_by_launcher = true;
+    }
+  }
+}
 
-  for (auto& w : workers) {
-    result.workers.push_back(w.exit);
-    if (w.exit.signal != 0 || w.exit.exit_code != 0 || w.exit.early) result.exit_code = 1;
-  }
-  result.received_signal = received_signal;
-  if (received_signal != 0) {
-    result.report += fmt::format("stopped by signal {} ({})\n", received_signal, ::strsignal(received_signal));
-    result.exit_code = 128 + received_signal;
-  }
-  if (result.exit_code != 0) {
-    for (const auto& w : result.workers) {
-      if (result.report.find(fmt::format("rank {} (pid {})", w.rank, w.pid)) == std::string::npos) {
-        result.report += describe(w) + "\n";
-      }
-    }
-    if (!flight_dir.empty() && !result.interrupted) {  // an interrupt is not a failure to explain
-      const std::vector<FlightRecord> records = read_flight_records(flight_dir);
-      // The first to exit noticed a silent rank: that rank is the one that failed.
-      bool stalled = false;  // its heartbeat thread beat on, but its work stood still
-      if (const int hung = silent_rank(records, &stalled); hung >= 0) {
-        const bool ours = std::any_of(result.workers.begin(), result.workers.end(),
-                                      [hung](const WorkerExit& w) { return w.rank == hung; });
-        if (ours) {
-          result.first_failed = {hung};
-          result.report += fmt::format("rank {} {}: it is the failed worker\n", hung,
-                                       stalled ? "made no progress (hung)" : "sent no heartbeats (stopped or hung)");
-        }
-      }
-      const std::string summary = flight_summary(records);
-      if (!summary.empty()) {
-        result.report += fmt::format("flight records ({}):\n{}", flight_dir, summary);
-        keep_flight_dir = true;  // for the user
-      }
-    }
-  }
-  if (!flight_dir.empty() && !keep_flight_dir) remove_directory(flight_dir);
-  // Several nodes: node 0 serves the store, so after a clean run it stays until the other
-  // nodes' workers finished too (their heartbeats and last calls still reach the store).
-  if (o.nnodes > 1 && o.serve_store && result.exit_code == 0) {
+// When workers asked to stop (SIGTERM) are killed (SIGKILL).
+SteadyClock::time_point Launch::grace_deadline() const {
+  return SteadyClock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_seconds * 1000));
+}
+
+bool Launch::store_has(const std::string& key) {
+  for (int attempt = 0; !probe_failed_; ++attempt) {
     try {
-      auto store = comm::connect_tcp_store(o.master_addr, static_cast<uint16_t>(port), secret, std::chrono::seconds(10));
-      finish_together(*store, "launch/done", o.nnodes, server != nullptr);
+      if (!probe_) {
+        probe_ = comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(5));
+      }
+      return probe_->try_get(key).has_value();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "dtrain launch: node %d could not report its end to the store: %s\n", o.node_rank, e.what());
+      probe_.reset();
+      if (attempt == 0) continue;  // once more on a fresh connection
+      probe_failed_ = true;  // no store to ask: exits are judged by their codes alone
+      std::fprintf(stderr, "dtrain launch: cannot ask the store whether workers finished: %s\n", e.what());
     }
   }
-  return result;
+  return false;
+}
+
+// ------------------------------------------------------------------ the end
+
+// Every worker's exit in the result, the exit code, and for a failure the report.
+void Launch::report() {
+  restore_signals();
+  for (auto& w : workers_) {
+    result_.workers.push_back(w.exit);
+    if (w.exit.signal != 0 || w.exit.exit_code != 0 || w.exit.early) result_.exit_code = 1;
+  }
+  result_.received_signal = received_signal_;
+  if (received_signal_ != 0) {
+    result_.report += fmt::format("stopped by signal {} ({})\n", received_signal_, ::strsignal(received_signal_));
+    result_.exit_code = 128 + received_signal_;
+  }
+  if (result_.exit_code != 0) {
+    for (const auto& w : result_.workers) {
+      if (result_.report.find(fmt::format("rank {} (pid {})", w.rank, w.pid)) == std::string::npos) {
+        result_.report += describe(w) + "\n";
+      }
+    }
+    // An interrupt is not a failure to explain.
+    if (!flight_dir_.empty() && !result_.interrupted) explain_from_flight_records();
+  }
+  if (!flight_dir_.empty() && !keep_flight_dir_) remove_directory(flight_dir_);
+}
+
+// The first to exit noticed a silent rank: that rank is the one that failed. The records'
+// summary goes into the report, and their directory is kept for the user.
+void Launch::explain_from_flight_records() {
+  const std::vector<FlightRecord> records = read_flight_records(flight_dir_);
+  bool stalled = false;  // its heartbeat thread beat on, but its work stood still
+  if (const int hung = silent_rank(records, &stalled); hung >= 0) {
+    const bool ours = std::any_of(result_.workers.begin(), result_.workers.end(),
+                                  [hung](const WorkerExit& w) { return w.rank == hung; });
+    if (ours) {
+      result_.first_failed = {hung};
+      result_.report += fmt::format("rank {} {}: it is the failed worker\n", hung,
+                                    stalled ? "made no progress (hung)" : "sent no heartbeats (stopped or hung)");
+    }
+  }
+  const std::string summary = flight_summary(records);
+  if (!summary.empty()) {
+    result_.report += fmt::format("flight records ({}):\n{}", flight_dir_, summary);
+    keep_flight_dir_ = true;  // for the user
+  }
+}
+
+// Several nodes: node 0 serves the store, so after a clean run it stays until the other
+// nodes' workers finished too (their heartbeats and last calls still reach the store).
+void Launch::finish_nodes() {
+  if (o_.nnodes <= 1 || !o_.serve_store || result_.exit_code != 0) return;
+  try {
+    auto store = comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(10));
+    finish_together(*store, "launch/done", o_.nnodes, server_ != nullptr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain launch: node %d could not report its end to the store: %s\n", o_.node_rank, e.what());
+  }
+}
+
+}  // namespace
+
+LaunchResult run_launch(const LaunchOptions& o) {
+  check_options(o);
+  Launch launch(o);
+  return launch.run();
 }
 
 }  // namespace dtrain::launch

@@ -486,196 +486,275 @@ struct Machine {
   bool model = false;
 };
 
+// One sweep's fixed choices: the collective, how it runs, and where its rows go.
+struct SweepCase {
+  Op op;
+  const std::string& op_name;
+  Algorithm algo;
+  std::optional<Codec> codec;
+  DataType dtype;
+  ReduceOp redop;
+  bool inplace;
+};
+
+// What one size measured, the same on every rank: wrong elements (summed over ranks), the
+// bytes one compressed call sent and would have sent as f32 (the most of any rank), and each
+// timed iteration's time (that of its slowest rank).
+struct Measurement {
+  uint64_t wrong = 0;
+  int64_t sent[2] = {0, 0};
+  std::vector<double> times;
+};
+
+// Collective over `g`: the correctness check on fresh inputs (twice more with --check), the
+// warm-up, then the timed iterations.
+Measurement measure(const CollBenchOptions& o, Group& g, Case& c) {
+  Measurement r;
+  // Correctness first, on fresh inputs (the timed runs may overflow the in-place data).
+  c.fill();
+  g.barrier();
+  c.run();
+  r.wrong = c.wrong();
+  // Bytes one call sent (compressed), the most of any rank.
+  r.sent[0] = static_cast<int64_t>(c.stats.wire_bytes_sent);
+  r.sent[1] = static_cast<int64_t>(c.stats.raw_bytes);
+  if (c.codec) g.all_reduce(r.sent, r.sent, 2, DataType::i64, ReduceOp::max);
+  if (o.check) {
+    for (int k = 0; k < 2; ++k) {
+      c.fill();
+      c.run();
+      r.wrong += c.wrong();
+    }
+  }
+  for (int k = 0; k < o.warmup; ++k) c.run();
+  r.times.assign(static_cast<size_t>(o.iters), 0.0);
+  for (int k = 0; k < o.iters; ++k) {
+    g.barrier();
+    const double t0 = now_s();
+    c.run();
+    r.times[static_cast<size_t>(k)] = now_s() - t0;
+  }
+  // The time of an iteration is that of its slowest rank.
+  g.all_reduce(r.times.data(), r.times.data(), r.times.size(), DataType::f64, ReduceOp::max);
+  g.all_reduce(&r.wrong, &r.wrong, 1, DataType::i64, ReduceOp::sum);
+  return r;
+}
+
+// Rank 0: the sweep's title line.
+void print_sweep_title(const CollBenchOptions& o, const SweepCase& s) {
+  const bool reducing = s.op == Op::allreduce || s.op == Op::reducescatter;
+  const std::string how = s.codec ? fmt::format("codec {} (two-phase)", comm::name_of(*s.codec))
+                                  : fmt::format("algo {}", comm::name_of(s.algo));
+  std::printf("# %s %s%s%s, %s, %s\n", s.op_name.c_str(), comm::name_of(s.dtype), reducing ? " " : "",
+              reducing ? comm::name_of(s.redop) : "",
+              o.shared ? "in place in shared memory" : s.inplace ? "in place" : "out of place", how.c_str());
+  std::fflush(stdout);
+}
+
+// Rank 0: a compressed collective's row: busbw on the f32 bytes is the effective bandwidth; on
+// the bytes sent, the wire's.
+void report_compressed(const SweepCase& s, const Case& c, const Measurement& r, double p50, double p99, double busbw,
+                       nlohmann::json& rows) {
+  const double data_bytes = static_cast<double>(c.count * c.es());
+  const double algbw = data_bytes / p50 / 1e9;
+  const double ratio = r.sent[0] > 0 ? static_cast<double>(r.sent[1]) / static_cast<double>(r.sent[0]) : 1.0;
+  const double wirebw = busbw / ratio;
+  std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %9.3f %12lld %6.2f %6llu\n",
+              static_cast<size_t>(data_bytes), c.count, comm::name_of(s.dtype), comm::name_of(s.redop),
+              comm::name_of(*s.codec), p50 * 1e6, p99 * 1e6, algbw, busbw, wirebw, static_cast<long long>(r.sent[0]),
+              ratio, static_cast<unsigned long long>(r.wrong));
+  std::fflush(stdout);
+  rows.push_back({{"op", s.op_name},
+                  {"bytes", static_cast<size_t>(data_bytes)},
+                  {"count", c.count},
+                  {"type", comm::name_of(s.dtype)},
+                  {"redop", comm::name_of(s.redop)},
+                  {"inplace", s.inplace},
+                  {"algo", "two_phase"},
+                  {"codec", comm::name_of(*s.codec)},
+                  {"p50_us", p50 * 1e6},
+                  {"p99_us", p99 * 1e6},
+                  {"algbw_GBs", algbw},
+                  {"busbw_GBs", busbw},
+                  {"effbw_GBs", busbw},
+                  {"wirebw_GBs", wirebw},
+                  {"wire_bytes", r.sent[0]},
+                  {"raw_bytes", r.sent[1]},
+                  {"wrong", r.wrong}});
+}
+
+// Rank 0: one size's row of the table and of the JSON document.
+void report(const CollBenchOptions& o, Group& g, const SweepCase& s, const Case& c, const Measurement& r,
+            const Machine& m, nlohmann::json& rows) {
+  const int p = g.size();
+  const bool reducing = s.op == Op::allreduce || s.op == Op::reducescatter;
+  const double p50 = percentile(r.times, 0.5), p99 = percentile(r.times, 0.99);
+  const double data_bytes = static_cast<double>(c.count * c.es());
+  const double algbw = data_bytes / p50 / 1e9;
+  const double busbw = algbw * bus_factor(s.op, p);
+  // What actually ran: the direct path where the group uses it for this collective.
+  const bool direct_op = s.op != Op::sendrecv && s.op != Op::alltoall;
+  Algorithm ran = s.algo;
+  if (s.op == Op::allreduce) ran = g.all_reduce_algorithm(c.count * c.es());
+  if (direct_op && g.all_reduce_algorithm(0) == Algorithm::direct) ran = Algorithm::direct;
+  const char* ran_name = o.shared ? "shared" : comm::name_of(ran);
+  double model = 0;
+  if (m.model && s.op == Op::allreduce && p >= 2 && !o.shared) {
+    model = model_all_reduce(ran, data_bytes, p, m.pp, m.gamma, 1e-9 / m.copy_gbs, m.stage_bytes, m.cores);
+  }
+  if (s.codec) {
+    report_compressed(s, c, r, p50, p99, busbw, rows);
+    return;
+  }
+  std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
+              c.count, comm::name_of(s.dtype), reducing ? comm::name_of(s.redop) : "-", ran_name, p50 * 1e6,
+              p99 * 1e6, algbw, busbw, busbw / m.copy_gbs, static_cast<unsigned long long>(r.wrong));
+  if (model > 0) std::printf(" %10.2f %11.2f", model * 1e6, p50 / model);
+  std::printf("\n");
+  std::fflush(stdout);
+  nlohmann::json row = {{"op", s.op_name},
+                        {"bytes", static_cast<size_t>(data_bytes)},
+                        {"count", c.count},
+                        {"type", comm::name_of(s.dtype)},
+                        {"redop", comm::name_of(s.redop)},
+                        {"inplace", s.inplace},
+                        {"algo", ran_name},
+                        {"p50_us", p50 * 1e6},
+                        {"p99_us", p99 * 1e6},
+                        {"algbw_GBs", algbw},
+                        {"busbw_GBs", busbw},
+                        {"wrong", r.wrong}};
+  if (model > 0) row["model_us"] = model * 1e6;
+  rows.push_back(row);
+}
+
 // One sweep over `sizes` of one collective with one algorithm (or codec: the compressed
-// collective), dtype, op and placement. Returns the elements that were wrong (summed over ranks).
-uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string& op_name, Algorithm algo,
-               std::optional<Codec> codec, DataType dtype, ReduceOp redop, bool inplace,
-               const std::vector<size_t>& sizes, const Machine& m, nlohmann::json& rows) {
+// collective), dtype, op and placement, on a group of its own. Returns the elements that were
+// wrong (summed over ranks).
+uint64_t sweep(const CollBenchOptions& o, Group& world, const SweepCase& s, const std::vector<size_t>& sizes,
+               const Machine& m, nlohmann::json& rows) {
   comm::GroupOptions sub;
   sub.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
   sub.transport = o.transport;
-  sub.algorithm = algo;
+  sub.algorithm = s.algo;
   Group g = world.split(0, world.rank(), sub);
-  const int rank = g.rank(), p = g.size();
-  const bool reducing = op == Op::allreduce || op == Op::reducescatter;
-  if (rank == 0) {
-    const std::string how = codec ? fmt::format("codec {} (two-phase)", comm::name_of(*codec))
-                                  : fmt::format("algo {}", comm::name_of(algo));
-    std::printf("# %s %s%s%s, %s, %s\n", op_name.c_str(), comm::name_of(dtype), reducing ? " " : "",
-                reducing ? comm::name_of(redop) : "",
-                o.shared ? "in place in shared memory" : inplace ? "in place" : "out of place", how.c_str());
-    std::fflush(stdout);
-  }
+  if (g.rank() == 0) print_sweep_title(o, s);
   uint64_t total_wrong = 0;
   for (size_t elements : sizes) {
-    Case c(op, g, dtype, redop, inplace, elements, o.shared);
-    c.codec = codec;
-    // Correctness first, on fresh inputs (the timed runs may overflow the in-place data).
-    c.fill();
-    g.barrier();
-    c.run();
-    uint64_t wrong = c.wrong();
-    // Bytes one call sent (compressed), the most of any rank.
-    int64_t sent[2] = {static_cast<int64_t>(c.stats.wire_bytes_sent), static_cast<int64_t>(c.stats.raw_bytes)};
-    if (codec) g.all_reduce(sent, sent, 2, DataType::i64, ReduceOp::max);
-    if (o.check) {
-      for (int k = 0; k < 2; ++k) {
-        c.fill();
-        c.run();
-        wrong += c.wrong();
-      }
-    }
-    for (int k = 0; k < o.warmup; ++k) c.run();
-    std::vector<double> times(static_cast<size_t>(o.iters));
-    for (int k = 0; k < o.iters; ++k) {
-      g.barrier();
-      const double t0 = now_s();
-      c.run();
-      times[static_cast<size_t>(k)] = now_s() - t0;
-    }
-    // The time of an iteration is that of its slowest rank.
-    g.all_reduce(times.data(), times.data(), times.size(), DataType::f64, ReduceOp::max);
-    g.all_reduce(&wrong, &wrong, 1, DataType::i64, ReduceOp::sum);
-    total_wrong += wrong;
-    if (rank != 0) continue;
-    const double p50 = percentile(times, 0.5), p99 = percentile(times, 0.99);
-    const double data_bytes = static_cast<double>(c.count * c.es());
-    const double algbw = data_bytes / p50 / 1e9;
-    const double busbw = algbw * bus_factor(op, p);
-    // What actually ran: the direct path where the group uses it for this collective.
-    const bool direct_op = op != Op::sendrecv && op != Op::alltoall;
-    Algorithm ran = algo;
-    if (op == Op::allreduce) ran = g.all_reduce_algorithm(c.count * c.es());
-    if (direct_op && g.all_reduce_algorithm(0) == Algorithm::direct) ran = Algorithm::direct;
-    const char* ran_name = o.shared ? "shared" : comm::name_of(ran);
-    double model = 0;
-    if (m.model && op == Op::allreduce && p >= 2 && !o.shared) {
-      model = model_all_reduce(ran, data_bytes, p, m.pp, m.gamma, 1e-9 / m.copy_gbs, m.stage_bytes, m.cores);
-    }
-    if (codec) {
-      // busbw on the f32 bytes is the effective bandwidth; on the bytes sent, the wire's.
-      const double ratio = sent[0] > 0 ? static_cast<double>(sent[1]) / static_cast<double>(sent[0]) : 1.0;
-      const double wirebw = busbw / ratio;
-      std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %9.3f %12lld %6.2f %6llu\n",
-                  static_cast<size_t>(data_bytes), c.count, comm::name_of(dtype), comm::name_of(redop),
-                  comm::name_of(*codec), p50 * 1e6, p99 * 1e6, algbw, busbw, wirebw, static_cast<long long>(sent[0]),
-                  ratio, static_cast<unsigned long long>(wrong));
-      std::fflush(stdout);
-      rows.push_back({{"op", op_name},
-                      {"bytes", static_cast<size_t>(data_bytes)},
-                      {"count", c.count},
-                      {"type", comm::name_of(dtype)},
-                      {"redop", comm::name_of(redop)},
-                      {"inplace", inplace},
-                      {"algo", "two_phase"},
-                      {"codec", comm::name_of(*codec)},
-                      {"p50_us", p50 * 1e6},
-                      {"p99_us", p99 * 1e6},
-                      {"algbw_GBs", algbw},
-                      {"busbw_GBs", busbw},
-                      {"effbw_GBs", busbw},
-                      {"wirebw_GBs", wirebw},
-                      {"wire_bytes", sent[0]},
-                      {"raw_bytes", sent[1]},
-                      {"wrong", wrong}});
-      continue;
-    }
-    std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
-                c.count, comm::name_of(dtype), reducing ? comm::name_of(redop) : "-", ran_name, p50 * 1e6,
-                p99 * 1e6, algbw, busbw, busbw / m.copy_gbs, static_cast<unsigned long long>(wrong));
-    if (model > 0) std::printf(" %10.2f %11.2f", model * 1e6, p50 / model);
-    std::printf("\n");
-    std::fflush(stdout);
-    nlohmann::json row = {{"op", op_name},
-                          {"bytes", static_cast<size_t>(data_bytes)},
-                          {"count", c.count},
-                          {"type", comm::name_of(dtype)},
-                          {"redop", comm::name_of(redop)},
-                          {"inplace", inplace},
-                          {"algo", ran_name},
-                          {"p50_us", p50 * 1e6},
-                          {"p99_us", p99 * 1e6},
-                          {"algbw_GBs", algbw},
-                          {"busbw_GBs", busbw},
-                          {"wrong", wrong}};
-    if (model > 0) row["model_us"] = model * 1e6;
-    rows.push_back(row);
+    Case c(s.op, g, s.dtype, s.redop, s.inplace, elements, o.shared);
+    c.codec = s.codec;
+    const Measurement r = measure(o, g, c);
+    total_wrong += r.wrong;
+    if (g.rank() == 0) report(o, g, s, c, r, m, rows);
   }
   return total_wrong;
 }
 
-int worker(const CollBenchOptions& o) {
-  const size_t min_bytes = parse_bytes(o.min_bytes), max_bytes = parse_bytes(o.max_bytes);
-  DT_CHECK(min_bytes >= 1 && min_bytes <= max_bytes, "bench", "--min-bytes {} must be in [1, --max-bytes {}]",
-           min_bytes, max_bytes);
-  DT_CHECK(o.iters >= 1 && o.warmup >= 0, "bench", "--iters must be >= 1 and --warmup >= 0");
-  // Every list option is validated before any rank joins, so a typo fails fast on every rank.
-  std::vector<std::string> op_names = split_list(o.op);
+// The sweeps a run asks for, parsed and checked: every list option is validated before any
+// rank joins, so a typo fails fast on every rank.
+struct Sweeps {
+  size_t min_bytes = 0, max_bytes = 0;
+  std::vector<std::string> op_names;
   std::vector<Op> ops;
-  for (const auto& s : op_names) ops.push_back(parse_op_name(s));
   std::vector<DataType> dtypes;
-  for (const auto& s : split_list(o.dtype)) dtypes.push_back(comm::parse_dtype(s));
   std::vector<ReduceOp> redops;
-  for (const auto& s : split_list(o.redop)) redops.push_back(comm::parse_op(s));
   std::vector<Algorithm> algos;
-  for (const auto& a : split_list(o.algo)) algos.push_back(comm::parse_algorithm(a));
-  DT_CHECK(!ops.empty() && !dtypes.empty() && !redops.empty() && !algos.empty(), "bench",
+  std::vector<std::optional<Codec>> codecs = {std::nullopt};  // --compress: the compressed collectives
+  std::vector<size_t> counts;                                  // --counts instead of the byte sweep
+  std::vector<bool> placements;                                // all_reduce in place or not
+};
+
+// --compress: the compressed collectives (f32, sum or avg, all_reduce and reduce_scatter).
+void parse_codecs(const CollBenchOptions& o, Sweeps& w) {
+  if (o.compress.empty()) return;
+  w.codecs.clear();
+  for (const auto& s : split_list(o.compress)) w.codecs.emplace_back(comm::parse_codec(s));
+  DT_CHECK(!w.codecs.empty(), "bench", "--compress needs at least one codec");
+  for (Op op : w.ops) {
+    DT_CHECK(op == Op::allreduce || op == Op::reducescatter, "bench",
+             "--compress runs allreduce and reducescatter only, not --op {}", o.op);
+  }
+  for (DataType t : w.dtypes) {
+    DT_CHECK(t == DataType::f32, "bench", "--compress encodes f32 buffers, not --dtype {}", comm::name_of(t));
+  }
+  for (ReduceOp r : w.redops) {
+    DT_CHECK(r == ReduceOp::sum || r == ReduceOp::avg, "bench", "--compress reduces with sum or avg, not --redop {}",
+             comm::name_of(r));
+  }
+  DT_CHECK(w.algos.size() == 1 && w.algos[0] == Algorithm::automatic, "bench",
+           "--algo {} does not apply to --compress (the compressed collectives have one algorithm)", o.algo);
+}
+
+// --shared: all_reduce in place in shared memory, with its one algorithm.
+void check_shared(const CollBenchOptions& o, const Sweeps& w) {
+  if (!o.shared) return;
+  for (Op op : w.ops) DT_CHECK(op == Op::allreduce, "bench", "--shared applies to --op allreduce only");
+  DT_CHECK(o.compress.empty(), "bench", "--shared and --compress do not go together");
+  DT_CHECK(!o.all_placements, "bench", "--shared runs in place; drop --all-placements");
+  DT_CHECK(w.algos.size() == 1 && w.algos[0] == Algorithm::automatic, "bench",
+           "--algo {} does not apply to --shared (all_reduce_shared has one algorithm)", o.algo);
+}
+
+Sweeps parse_sweeps(const CollBenchOptions& o) {
+  Sweeps w;
+  w.min_bytes = parse_bytes(o.min_bytes);
+  w.max_bytes = parse_bytes(o.max_bytes);
+  DT_CHECK(w.min_bytes >= 1 && w.min_bytes <= w.max_bytes, "bench", "--min-bytes {} must be in [1, --max-bytes {}]",
+           w.min_bytes, w.max_bytes);
+  DT_CHECK(o.iters >= 1 && o.warmup >= 0, "bench", "--iters must be >= 1 and --warmup >= 0");
+  w.op_names = split_list(o.op);
+  for (const auto& s : w.op_names) w.ops.push_back(parse_op_name(s));
+  for (const auto& s : split_list(o.dtype)) w.dtypes.push_back(comm::parse_dtype(s));
+  for (const auto& s : split_list(o.redop)) w.redops.push_back(comm::parse_op(s));
+  for (const auto& a : split_list(o.algo)) w.algos.push_back(comm::parse_algorithm(a));
+  DT_CHECK(!w.ops.empty() && !w.dtypes.empty() && !w.redops.empty() && !w.algos.empty(), "bench",
            "--op, --dtype, --redop and --algo need at least one value each");
-  // --compress: the compressed collectives (f32, sum or avg, all_reduce and reduce_scatter).
-  std::vector<std::optional<Codec>> codecs = {std::nullopt};
-  if (!o.compress.empty()) {
-    codecs.clear();
-    for (const auto& s : split_list(o.compress)) codecs.emplace_back(comm::parse_codec(s));
-    DT_CHECK(!codecs.empty(), "bench", "--compress needs at least one codec");
-    for (Op op : ops) {
-      DT_CHECK(op == Op::allreduce || op == Op::reducescatter, "bench",
-               "--compress runs allreduce and reducescatter only, not --op {}", o.op);
-    }
-    for (DataType t : dtypes) {
-      DT_CHECK(t == DataType::f32, "bench", "--compress encodes f32 buffers, not --dtype {}", comm::name_of(t));
-    }
-    for (ReduceOp r : redops) {
-      DT_CHECK(r == ReduceOp::sum || r == ReduceOp::avg, "bench", "--compress reduces with sum or avg, not --redop {}",
-               comm::name_of(r));
-    }
-    DT_CHECK(algos.size() == 1 && algos[0] == Algorithm::automatic, "bench",
-             "--algo {} does not apply to --compress (the compressed collectives have one algorithm)", o.algo);
-  }
-  std::vector<size_t> counts;
-  for (const auto& c : split_list(o.counts)) counts.push_back(parse_bytes(c));
-  if (o.shared) {
-    for (Op op : ops) DT_CHECK(op == Op::allreduce, "bench", "--shared applies to --op allreduce only");
-    DT_CHECK(o.compress.empty(), "bench", "--shared and --compress do not go together");
-    DT_CHECK(!o.all_placements, "bench", "--shared runs in place; drop --all-placements");
-    DT_CHECK(algos.size() == 1 && algos[0] == Algorithm::automatic, "bench",
-             "--algo {} does not apply to --shared (all_reduce_shared has one algorithm)", o.algo);
-  }
-  std::vector<bool> placements = {o.inplace || o.shared};
-  if (o.all_placements) placements = {false, true};
+  parse_codecs(o, w);
+  for (const auto& c : split_list(o.counts)) w.counts.push_back(parse_bytes(c));
+  check_shared(o, w);
+  w.placements = {o.inplace || o.shared};
+  if (o.all_placements) w.placements = {false, true};
+  return w;
+}
 
-  comm::GroupOptions gopts;
-  gopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
-  gopts.transport = o.transport;
-  Group world = o.transport == "mpi" ? Group::from_mpi(gopts) : Group::from_env(gopts);
-  const int rank = world.rank(), p = world.size();
+// Element counts of one sweep: --counts, or powers of two of bytes (nccl-tests' size is the
+// whole vector).
+std::vector<size_t> sizes_of(const Sweeps& w, Op op, DataType dtype, int p) {
+  std::vector<size_t> sizes = w.counts;
+  if (!sizes.empty()) return sizes;
+  const bool blocks = op == Op::allgather || op == Op::reducescatter || op == Op::alltoall;
+  const size_t es = comm::size_of(dtype);
+  for (size_t bytes = w.min_bytes; bytes <= w.max_bytes; bytes *= 2) {
+    const size_t elements = blocks ? bytes / es / static_cast<size_t>(p) : bytes / es;
+    if (elements == 0 && bytes < w.max_bytes) continue;
+    sizes.push_back(elements);
+  }
+  return sizes;
+}
 
+// Machine figures, measured on rank 0 while the others sleep in a barrier; with --model the
+// ping-pong's alpha and beta. Collective.
+Machine measure_machine(const CollBenchOptions& o, Group& world, DataType dtype) {
   Machine m;
   m.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (const char* stage_env = std::getenv("DTRAIN_SHM_STAGE_BYTES")) m.stage_bytes = parse_bytes(stage_env);
-  // Machine figures, measured on rank 0 while the others sleep in a barrier.
-  if (rank == 0) {
+  if (world.rank() == 0) {
     m.copy_gbs = memcpy_gbs();
-    m.gamma = reduce_gamma(dtypes.front());
+    m.gamma = reduce_gamma(dtype);
   }
   world.barrier();
-  m.model = o.model && p >= 2;
+  m.model = o.model && world.size() >= 2;
   if (m.model) m.pp = ping_pong(world);
   world.broadcast(&m.copy_gbs, 1, DataType::f64, 0);
+  return m;
+}
 
+// The JSON document's fields before the rows (--json).
+nlohmann::json bench_document(const CollBenchOptions& o, Group& world, const Machine& m) {
   nlohmann::json doc;
   doc["tool"] = "dtrain";
   doc["op"] = o.op;
-  doc["world"] = p;
+  doc["world"] = world.size();
   doc["transport"] = world.transport_kind();
   doc["dtype"] = o.dtype;
   doc["redop"] = o.redop;
@@ -687,68 +766,83 @@ int worker(const CollBenchOptions& o) {
   doc["memcpy_GBs"] = m.copy_gbs;
   doc["cores"] = m.cores;
   doc["rows"] = nlohmann::json::array();
-  if (rank == 0) {
-    std::printf("# dtrain bench collectives: %d ranks, transport %s, %d iters (%d warm-up), time = slowest rank\n", p,
-                world.transport_kind().c_str(), o.iters, o.warmup);
-    std::printf("# memcpy (one core): %.2f GB/s; bus/cpy = busbw as a fraction of it\n", m.copy_gbs);
-    if (m.model) {
-      std::printf("# ping-pong rank 0 <-> 1 (%s): alpha %.2f us, beta %.4f ns/B (%.2f GB/s); reduce gamma %.4f ns/B\n",
-                  world.transport_kind().c_str(), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
-      for (auto [b, t] : m.pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
-      doc["alpha_us"] = m.pp.alpha * 1e6;
-      doc["beta_ns_per_byte"] = m.pp.beta * 1e9;
-      doc["gamma_ns_per_byte"] = m.gamma * 1e9;
-    }
-    if (o.compress.empty()) {
-      std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %7s %6s%s\n", "size", "count", "type", "redop", "algo",
-                  "p50_us", "p99_us", "algbw", "busbw", "bus/cpy", "wrong", m.model ? "   model_us  meas/model" : "");
-    } else {
-      std::printf(
-          "# effbw: busbw of the f32 bytes; wirebw: of the bytes sent; wire_B: bytes one call sent (the most "
-          "of any rank); ratio: f32 / wire bytes; wrong: outside the derived bound\n");
-      std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %9s %12s %6s %6s\n", "size", "count", "type", "redop",
-                  "codec", "p50_us", "p99_us", "algbw", "effbw", "wirebw", "wire_B", "ratio", "wrong");
-    }
-    std::fflush(stdout);
+  if (world.rank() == 0 && m.model) {
+    doc["alpha_us"] = m.pp.alpha * 1e6;
+    doc["beta_ns_per_byte"] = m.pp.beta * 1e9;
+    doc["gamma_ns_per_byte"] = m.gamma * 1e9;
   }
+  return doc;
+}
 
+// Rank 0: the machine's figures and the table's header.
+void print_header(const CollBenchOptions& o, Group& world, const Machine& m) {
+  std::printf("# dtrain bench collectives: %d ranks, transport %s, %d iters (%d warm-up), time = slowest rank\n",
+              world.size(), world.transport_kind().c_str(), o.iters, o.warmup);
+  std::printf("# memcpy (one core): %.2f GB/s; bus/cpy = busbw as a fraction of it\n", m.copy_gbs);
+  if (m.model) {
+    std::printf("# ping-pong rank 0 <-> 1 (%s): alpha %.2f us, beta %.4f ns/B (%.2f GB/s); reduce gamma %.4f ns/B\n",
+                world.transport_kind().c_str(), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
+    for (auto [b, t] : m.pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
+  }
+  if (o.compress.empty()) {
+    std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %7s %6s%s\n", "size", "count", "type", "redop", "algo",
+                "p50_us", "p99_us", "algbw", "busbw", "bus/cpy", "wrong", m.model ? "   model_us  meas/model" : "");
+  } else {
+    std::printf(
+        "# effbw: busbw of the f32 bytes; wirebw: of the bytes sent; wire_B: bytes one call sent (the most "
+        "of any rank); ratio: f32 / wire bytes; wrong: outside the derived bound\n");
+    std::printf("#%11s %11s %5s %6s %7s %10s %10s %9s %9s %9s %12s %6s %6s\n", "size", "count", "type", "redop",
+                "codec", "p50_us", "p99_us", "algbw", "effbw", "wirebw", "wire_B", "ratio", "wrong");
+  }
+  std::fflush(stdout);
+}
+
+// Every sweep: op x dtype x redop x placement x algorithm x codec. Returns the wrong elements.
+uint64_t run_sweeps(const CollBenchOptions& o, const Sweeps& w, Group& world, const Machine& m, nlohmann::json& rows) {
   uint64_t total_wrong = 0;
-  const double wall0 = now_s();
-  rusage ru0{};
-  ::getrusage(RUSAGE_SELF, &ru0);
-  for (size_t oi = 0; oi < ops.size(); ++oi) {
-    const Op op = ops[oi];
-    const bool blocks = op == Op::allgather || op == Op::reducescatter || op == Op::alltoall;
+  for (size_t oi = 0; oi < w.ops.size(); ++oi) {
+    const Op op = w.ops[oi];
     const bool reducing = op == Op::allreduce || op == Op::reducescatter;
-    for (DataType dtype : dtypes) {
-      // Element counts: --counts, or powers of two of bytes (nccl-tests' size is the whole vector).
-      std::vector<size_t> sizes = counts;
-      if (sizes.empty()) {
-        const size_t es = comm::size_of(dtype);
-        for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
-          const size_t elements = blocks ? bytes / es / static_cast<size_t>(p) : bytes / es;
-          if (elements == 0 && bytes < max_bytes) continue;
-          sizes.push_back(elements);
-        }
-      }
-      for (ReduceOp redop : reducing ? redops : std::vector<ReduceOp>{ReduceOp::sum}) {
-        for (bool inplace : op == Op::allreduce ? placements : std::vector<bool>{false}) {
-          for (Algorithm algo : algos) {
-            for (const auto& codec : codecs) {
-              total_wrong +=
-                  sweep(o, world, op, op_names[oi], algo, codec, dtype, redop, inplace, sizes, m, doc["rows"]);
+    for (DataType dtype : w.dtypes) {
+      const std::vector<size_t> sizes = sizes_of(w, op, dtype, world.size());
+      for (ReduceOp redop : reducing ? w.redops : std::vector<ReduceOp>{ReduceOp::sum}) {
+        for (bool inplace : op == Op::allreduce ? w.placements : std::vector<bool>{false}) {
+          for (Algorithm algo : w.algos) {
+            for (const auto& codec : w.codecs) {
+              const SweepCase s{op, w.op_names[oi], algo, codec, dtype, redop, inplace};
+              total_wrong += sweep(o, world, s, sizes, m, rows);
             }
           }
         }
       }
     }
   }
-  // CPU time of the sweeps, all ranks together: ranks that spin instead of sleeping while they
-  // wait show as CPU time near wall time x cores even when they have nothing to do.
+  return total_wrong;
+}
+
+double seconds_of(const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; }
+
+// One rank of the bench: the sweeps parsed, the world joined, the machine measured, every sweep
+// run, then the CPU time of the sweeps, all ranks together: ranks that spin instead of sleeping
+// while they wait show as CPU time near wall time x cores even when they have nothing to do.
+int worker(const CollBenchOptions& o) {
+  const Sweeps w = parse_sweeps(o);
+  comm::GroupOptions gopts;
+  gopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  gopts.transport = o.transport;
+  Group world = o.transport == "mpi" ? Group::from_mpi(gopts) : Group::from_env(gopts);
+  const int rank = world.rank(), p = world.size();
+  const Machine m = measure_machine(o, world, w.dtypes.front());
+  nlohmann::json doc = bench_document(o, world, m);
+  if (rank == 0) print_header(o, world, m);
+
+  const double wall0 = now_s();
+  rusage ru0{};
+  ::getrusage(RUSAGE_SELF, &ru0);
+  const uint64_t total_wrong = run_sweeps(o, w, world, m, doc["rows"]);
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
-  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
-  double cpu[2] = {secs(ru.ru_utime) - secs(ru0.ru_utime), secs(ru.ru_stime) - secs(ru0.ru_stime)};
+  double cpu[2] = {seconds_of(ru.ru_utime) - seconds_of(ru0.ru_utime), seconds_of(ru.ru_stime) - seconds_of(ru0.ru_stime)};
   world.all_reduce(cpu, cpu, 2, DataType::f64, ReduceOp::sum);
   const double wall = now_s() - wall0;
   doc["wall_s"] = wall;

@@ -10,6 +10,7 @@
 #include <cstdlib>
 
 #include "bench_gemm.h"
+#include "dtrain/checkpoint/model_io.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/mpi.h"
 #include "dtrain/core/error.h"
@@ -17,7 +18,6 @@
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/random.h"
-#include "dtrain/train/model_io.h"
 #include "dtrain/train/trainer.h"
 
 namespace dtrain::tools {
@@ -96,9 +96,9 @@ int run_diff(const DiffOptions& opts) {
   // NaN compares false with everything: `max_rel <= nan` would say EXCEEDS for identical models.
   DT_CHECK(std::isfinite(opts.tol) && opts.tol >= 0.0, "diff", "--tol {}: expected a finite non-negative number",
            opts.tol);
-  const train::ModelFile a = train::load_model(opts.a);
-  const train::ModelFile b = train::load_model(opts.b);
-  const train::DiffResult d = train::diff_models(a, b);
+  const checkpoint::ModelFile a = checkpoint::load_model(opts.a);
+  const checkpoint::ModelFile b = checkpoint::load_model(opts.b);
+  const checkpoint::DiffResult d = checkpoint::diff_models(a, b);
   if (!opts.quiet) {
     std::printf("%-40s %14s %14s\n", "tensor", "max_abs", "rel");
     for (const auto& t : d.tensors) std::printf("%-40s %14.6e %14.6e\n", t.name.c_str(), t.max_abs, t.rel);

@@ -88,9 +88,8 @@ std::string quoted(const std::string& s) {
   return q + "'";
 }
 
-plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l, int64_t batch,
-                            const std::vector<std::string>& argv, plan::Calibration cal) {
-  std::fprintf(stderr, "dtrain plan: calibrating: ping-pong over shared memory and TCP, kernels of the model...\n");
+// alpha and beta of shared memory and TCP, the reduction and copy rates, the cores.
+void calibrate_links(plan::Calibration& cal) {
   const nlohmann::json shm = bench_link("shm");
   const nlohmann::json tcp = bench_link("tcp");
   cal.shm = {shm.at("alpha_us").get<double>() * 1e-6, shm.at("beta_ns_per_byte").get<double>() * 1e-9};
@@ -98,18 +97,12 @@ plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l
   cal.gamma_s_per_byte = shm.at("gamma_ns_per_byte").get<double>() * 1e-9;
   cal.copy_s_per_byte = 1e-9 / shm.at("memcpy_GBs").get<double>();
   cal.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  // One process alone on the whole batch: T(1), and the FLOP rate for shapes not measured.
-  plan::KernelEntry single = plan::measure_kernels(cfg, batch, 1);
-  const plan::ModelSpec spec = plan::model_of(cfg);
-  double t = 0;
-  for (size_t i = 0; i < single.times.forward.size(); ++i) t += single.times.forward[i] + single.times.backward[i];
-  cal.flops_per_s = 3.0 * spec.flops_per_sample() * static_cast<double>(batch) / t;
-  // The layout's kernels as its ranks see them: as many processes measuring at once as the run
-  // keeps cores busy (they share caches and memory bandwidth; beyond the cores the simulation
-  // shares the cores themselves).
-  const int threads = std::max(1, cfg.threads);
-  const int k = std::max(1, std::min(cal.cores, l.world() * threads) / threads);
-  const int64_t rows = batch / (l.dp * l.accumulate * l.micro_batches);
+}
+
+// What `k` processes measuring the layout's kernels at once saw (this one first): k - 1 copies
+// of this command (--kernel-probe) and this process, all starting at the same moment.
+std::vector<nlohmann::json> probe_concurrently(const train::TrainConfig& cfg, const std::vector<std::string>& argv,
+                                               int k, int64_t rows, int tp) {
   const double at = epoch_seconds() + 0.5;
   std::vector<std::string> files;
   std::string cmd;
@@ -129,7 +122,7 @@ plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l
   });
   nlohmann::json mine;
   try {
-    mine = probe_kernels(cfg, rows, l.tp, at);
+    mine = probe_kernels(cfg, rows, tp, at);
   } catch (...) {
     others.join();
     throw;
@@ -142,6 +135,27 @@ plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l
     std::remove(f.c_str());
     DT_CHECK(rc == 0 && probes.back().is_object(), "plan", "calibration: a kernel probe process failed ({})", rc);
   }
+  return probes;
+}
+
+plan::Calibration calibrate(const train::TrainConfig& cfg, const plan::Layout& l, int64_t batch,
+                            const std::vector<std::string>& argv, plan::Calibration cal) {
+  std::fprintf(stderr, "dtrain plan: calibrating: ping-pong over shared memory and TCP, kernels of the model...\n");
+  calibrate_links(cal);
+  // One process alone on the whole batch: T(1), and the FLOP rate for shapes not measured.
+  plan::KernelEntry single = plan::measure_kernels(cfg, batch, 1);
+  const plan::ModelSpec spec = plan::model_of(cfg);
+  double t = 0;
+  for (size_t i = 0; i < single.times.forward.size(); ++i) t += single.times.forward[i] + single.times.backward[i];
+  cal.flops_per_s = 3.0 * spec.flops_per_sample() * static_cast<double>(batch) / t;
+  // The layout's kernels as its ranks see them: as many processes measuring at once as the run
+  // keeps cores busy (they share caches and memory bandwidth; beyond the cores the simulation
+  // shares the cores themselves).
+  const int threads = std::max(1, cfg.threads);
+  const int k = std::max(1, std::min(cal.cores, l.world() * threads) / threads);
+  const int64_t rows = batch / (l.dp * l.accumulate * l.micro_batches);
+  const std::vector<nlohmann::json> probes = probe_concurrently(cfg, argv, k, rows, l.tp);
+  const nlohmann::json& mine = probes.front();
   plan::KernelEntry e;
   e.model = train::model_metadata(cfg);
   e.rows = rows;
@@ -255,6 +269,254 @@ void print_prediction(const plan::Prediction& p, const plan::ModelSpec& m, const
               l.world(), time_str(p.single_device_s).c_str());
 }
 
+// The ranking's first --top layouts, and the flags of the best.
+void print_ranking(const PlanOptions& o, const plan::SearchResult& r) {
+  std::printf("%4s  %-44s %10s %10s %10s %10s %7s\n", "rank", "layout", "step", "compute", "comm", "bubble", "E");
+  for (size_t i = 0; i < r.ranked.size() && i < static_cast<size_t>(o.top); ++i) {
+    const plan::Prediction& p = r.ranked[i];
+    std::printf("%4zu  %-44s %10s %10s %10s %10s %7.3f  %s\n", i + 1, p.layout.str().c_str(),
+                time_str(p.step_s).c_str(), time_str(p.compute_s).c_str(), time_str(p.exposed_comm_s).c_str(),
+                time_str(p.bubble_s).c_str(), p.efficiency, bytes_str(p.memory.total()).c_str());
+  }
+  const plan::Prediction& best = r.ranked.front();
+  std::printf("\nrecommended: --dp %d --pp %d --tp %d --zero %d --micro-batches %ld --accumulate %ld --schedule %s%s\n",
+              best.layout.dp, best.layout.pp, best.layout.tp, best.layout.zero,
+              static_cast<long>(best.layout.micro_batches), static_cast<long>(best.layout.accumulate),
+              parallel::schedule_name(best.layout.schedule), best.layout.recompute ? " --recompute" : "");
+}
+
+// A GPT by parameter count (--params) rather than one of dtrain's models.
+bool by_params(const PlanOptions& o) { return o.params > 0; }
+
+// The options dtrain train does not check.
+void check_plan_options(const PlanOptions& o) {
+  DT_CHECK(o.params >= 0, "plan", "--params {} must be positive", o.params);
+  DT_CHECK(o.top >= 1, "plan", "--top {} must be at least 1", o.top);
+  DT_CHECK(o.flops_efficiency > 0 && o.flops_efficiency <= 1, "plan", "--flops-efficiency {} not in (0, 1]",
+           o.flops_efficiency);
+  DT_CHECK(o.link_efficiency > 0 && o.link_efficiency <= 1, "plan", "--link-efficiency {} not in (0, 1]",
+           o.link_efficiency);
+  DT_CHECK(o.device_flops >= 0 && o.link_gbps >= 0 && o.memory >= 0 && o.devices >= 0 && o.hosts >= 0 &&
+               o.devices_per_host >= 0 && o.intra_gbps > 0,
+           "plan",
+           "--device-flops, --link-gbps, --memory, --devices, --hosts, --devices-per-host must not be "
+           "negative and --intra-gbps must be positive");
+  DT_CHECK(o.hosts == 0 || o.devices_per_host == 0, "plan", "give --hosts or --devices-per-host, not both");
+  DT_CHECK(o.precision.empty() || o.precision == "f32" || o.precision == "mixed", "plan",
+           "--precision '{}': expected f32 or mixed", o.precision);
+}
+
+// The model: dtrain's (checked as dtrain train checks it) or a GPT by parameter count. Fills in
+// the defaults of o.train that depend on which.
+plan::ModelSpec plan_model(PlanOptions& o) {
+  train::TrainConfig& cfg = o.train;
+  const auto given = [&](const char* flag) { return cfg.given.count(flag) > 0; };
+  plan::ModelSpec model;
+  if (by_params(o)) {
+    DT_CHECK(!given("model") || cfg.model == "gpt", "plan", "--params plans a GPT; --model {} has no such shape",
+             cfg.model);
+    cfg.model = "gpt";
+    if (!given("seq-len")) cfg.seq_len = 2048;
+    if (!given("batch-size")) cfg.batch_size = 1024;
+    model = plan::gpt_by_params(o.params, cfg.seq_len, o.vocab > 0 ? o.vocab : 50304, given("layers") ? cfg.layers : 0,
+                                given("width") ? cfg.width : 0, given("heads") ? cfg.heads : 0);
+  } else {
+    DT_CHECK(o.vocab == 0 || o.vocab == 256 || cfg.model != "gpt", "plan",
+             "--vocab {}: dtrain's GPT reads bytes (vocab 256); other vocabularies go with --params", o.vocab);
+    DT_CHECK(o.vocab == 0 || cfg.model == "gpt", "plan", "--vocab applies to --model gpt");
+    train::TrainConfig probe = cfg;  // the model and run flags, checked by the trainer's rules
+    probe.dp = probe.pp = probe.tp = 1;
+    probe.zero = 0;
+    probe.micro_batches = probe.accumulate = 1;
+    probe.stages.clear();
+    probe.min_workers = probe.max_restarts = 0;
+    train::finalize(probe);
+    cfg.batch_size = probe.batch_size;
+    model = plan::model_of(cfg);
+  }
+  if (o.precision == "mixed" && !by_params(o)) {
+    model.precision = plan::mixed_precision();
+  } else if (o.precision == "f32" && by_params(o)) {
+    model.precision = plan::f32_precision();
+  }
+  return model;
+}
+
+// The layout of dtrain train's flags.
+plan::Layout layout_of(const train::TrainConfig& cfg) {
+  plan::Layout layout;
+  layout.dp = cfg.dp;
+  layout.pp = cfg.pp;
+  layout.tp = cfg.tp;
+  layout.zero = cfg.zero;
+  layout.micro_batches = cfg.micro_batches;
+  layout.accumulate = cfg.accumulate;
+  layout.schedule = parallel::parse_schedule(cfg.schedule);
+  layout.recompute = cfg.recompute;
+  layout.bucket_bytes = cfg.bucket_mb * kMiB;
+  layout.optimizer = cfg.optimizer == "adamw" ? "adamw" : (cfg.momentum != 0.0f ? "sgd" : "sgd0");
+  return layout;
+}
+
+// The machine a plan is for: its figures, a line describing it, and (calibrated kernels) the
+// measured block times of the layout and of one process alone (pointing into the calibration).
+struct Target {
+  plan::Hardware hw;
+  std::string description;
+  const plan::KernelEntry* kernels = nullptr;
+  const plan::KernelEntry* single = nullptr;
+};
+
+// --device-flops: `world` devices of that rate with links of the given figures.
+void describe_devices(const PlanOptions& o, int world, double gbps, Target& t) {
+  plan::Hardware& hw = t.hw;
+  DT_CHECK(!o.calibrate, "plan", "--calibrate measures this machine; it does not go with --device-flops");
+  hw.device_flops = o.device_flops * o.flops_efficiency;
+  hw.cores = o.cores < 0 ? 0.0 : o.cores;
+  hw.intra = plan::LinkCost{o.intra_latency_us * 1e-6, 8.0 / (o.intra_gbps * 1e9), 0.0, 0.0, 0.0, false, true};
+  const double lat = o.link_latency_us < 0 ? kDefaultLinkLatencyUs : o.link_latency_us;
+  hw.inter = plan::LinkCost{lat * 1e-6, 8.0 / (gbps * 1e9 * o.link_efficiency), 0.0, 0.0, 0.0, false, true};
+  hw.optimizer_s_per_param = kOptimizerBytesPerParam / kDeviceMemoryBandwidth;
+  t.description = fmt::format(
+      "{} devices of {:.3g} FLOP/s{}, {} per host; links {:.4g} Gbit/s ({} us) between hosts, "
+      "{:.4g} Gbit/s ({} us) within",
+      world, o.device_flops, o.flops_efficiency < 1 ? fmt::format(" at {:.0f}%", o.flops_efficiency * 100) : "",
+      hw.ranks_per_host, gbps, lat, o.intra_gbps, o.intra_latency_us);
+}
+
+// This machine, from --calibration FILE or measured now (--calibrate, then kept in FILE).
+void calibrate_machine(const PlanOptions& o, const plan::Layout& layout, bool searching,
+                       const std::vector<std::string>& argv, plan::Calibration& cal) {
+  if (!o.calibration.empty() && (!o.calibrate || std::ifstream(o.calibration).good())) {
+    cal = plan::load_calibration(o.calibration);
+  }
+  DT_CHECK(o.calibrate || !o.calibration.empty(), "plan",
+           "no compute rate: give --device-flops, or --calibrate to measure this machine (--calibration FILE to "
+           "keep the measurements)");
+  if (o.calibrate) {
+    DT_CHECK(!by_params(o), "plan", "--calibrate times dtrain's own models; with --params give --device-flops");
+    DT_CHECK(!searching, "plan", "--calibrate measures the kernels of one layout; give --dp/--pp/--tp");
+    cal = calibrate(o.train, layout, o.train.batch_size, argv, cal);
+    if (!o.calibration.empty()) plan::save_calibration(cal, o.calibration);
+  }
+}
+
+// This machine as calibrated: its cores, its kernels' rate (or times for these blocks), shared
+// memory within a host and TCP between hosts.
+void describe_calibrated(const PlanOptions& o, const plan::Layout& layout, int world, double gbps, bool searching,
+                         const plan::Calibration& cal, Target& t) {
+  const train::TrainConfig& cfg = o.train;
+  plan::Hardware& hw = t.hw;
+  hw.device_flops = cal.flops_per_s * o.flops_efficiency;
+  hw.cores = o.cores < 0 ? cal.cores : o.cores;
+  hw.threads = cfg.threads;
+  hw.optimizer_s_per_param = cal.optimizer_s_per_param;
+  hw.copy_s_per_byte = cal.copy_s_per_byte;
+  hw.intra = plan::LinkCost{
+      cal.shm.alpha_s, 0.0, cal.shm.beta_s_per_byte, cal.gamma_s_per_byte, cal.copy_s_per_byte, true, false};
+  const double lat = (o.link_latency_us < 0 ? 0.0 : o.link_latency_us) * 1e-6;
+  const double tcp_cpu = o.link_cpu_ns_per_byte >= 0 ? o.link_cpu_ns_per_byte * 1e-9 : cal.tcp.beta_s_per_byte;
+  hw.inter = plan::LinkCost{cal.tcp.alpha_s + lat,
+                            gbps > 0 ? 8.0 / (gbps * 1e9 * o.link_efficiency) : 0.0,
+                            tcp_cpu,
+                            cal.gamma_s_per_byte,
+                            cal.copy_s_per_byte,
+                            false,
+                            false};
+  if (!by_params(o) && !searching) {
+    const std::string meta = train::model_metadata(cfg);
+    const int64_t rows = cfg.batch_size / (layout.dp * layout.accumulate * layout.micro_batches);
+    const int threads = std::max(1, cfg.threads);
+    const int concurrency = std::max(1, std::min(cal.cores, layout.world() * threads) / threads);
+    t.kernels = cal.find(meta, rows, layout.tp, threads, concurrency);
+    t.single = cal.find(meta, cfg.batch_size, 1, threads, 1);
+  }
+  t.description = fmt::format(
+      "{} ranks on {:.3g} cores, {} per host; compute: {}; shared memory alpha {:.2f} us, beta {:.3f} ns/B; TCP "
+      "alpha {:.1f} us, beta {:.3f} ns/B, {:.3f} ns/B of core time between hosts{}",
+      world, hw.cores, hw.ranks_per_host,
+      t.kernels ? "this machine's kernels for these blocks" : fmt::format("{:.3g} FLOP/s (calibrated)", hw.device_flops),
+      cal.shm.alpha_s * 1e6, cal.shm.beta_s_per_byte * 1e9, hw.inter.alpha * 1e6, cal.tcp.beta_s_per_byte * 1e9,
+      tcp_cpu * 1e9, gbps > 0 ? fmt::format(", host links {:.4g} Gbit/s", gbps) : std::string());
+}
+
+// The machine of the plan: --device-flops devices, or this one as calibrated (`cal` holds the
+// calibration the target's kernel times point into).
+Target target_machine(const PlanOptions& o, const plan::Layout& layout, int world, bool searching,
+                      const std::vector<std::string>& argv, plan::Calibration& cal) {
+  Target t;
+  t.hw.memory = o.memory;
+  // Default: this machine is one host; --device-flops devices each have a host (and link) of their own.
+  t.hw.ranks_per_host = o.devices_per_host > 0 ? o.devices_per_host
+                        : o.hosts > 0          ? world / o.hosts
+                        : o.device_flops > 0   ? 1
+                                               : world;
+  const double gbps = o.link_gbps > 0 ? o.link_gbps : (o.device_flops > 0 ? kDefaultLinkGbps : 0.0);
+  if (o.device_flops > 0) {
+    describe_devices(o, world, gbps, t);
+  } else {
+    calibrate_machine(o, layout, searching, argv, cal);
+    describe_calibrated(o, layout, world, gbps, searching, cal, t);
+  }
+  return t;
+}
+
+// One layout's prediction, as JSON or a table.
+int print_plan(const PlanOptions& o, const plan::ModelSpec& model, const plan::Layout& layout, const Target& t) {
+  const plan::Prediction p = plan::predict(model, t.hw, layout, o.train.batch_size,
+                                           t.kernels ? &t.kernels->times : nullptr, t.single ? &t.single->times : nullptr);
+  if (o.json) {
+    nlohmann::json j = prediction_json(p, model);
+    j["model"] = model.description;
+    j["params"] = model.params();
+    j["machine"] = t.description;
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("dtrain plan: %s, %ld parameters, %s\n", model.description.c_str(), static_cast<long>(model.params()),
+              model.precision.name.c_str());
+  std::printf("machine: %s\n", t.description.c_str());
+  print_prediction(p, model, t.hw);
+  return 0;
+}
+
+// The search over the layouts of --devices: the ranking, as JSON or a table with the best
+// layout's flags and prediction.
+int print_search(const PlanOptions& o, const plan::ModelSpec& model, const plan::Layout& layout, const Target& t) {
+  const int64_t batch = o.train.batch_size;
+  plan::SearchOptions so;
+  so.devices = o.devices;
+  const plan::SearchResult r = plan::search(model, t.hw, batch, layout, so);
+  if (o.json) {
+    nlohmann::json j{{"model", model.description}, {"params", model.params()}, {"machine", t.description},
+                     {"considered", r.considered}, {"too_big", r.too_big},     {"ranked", nlohmann::json::array()}};
+    for (size_t i = 0; i < r.ranked.size() && i < static_cast<size_t>(o.top); ++i) {
+      j["ranked"].push_back(prediction_json(r.ranked[i], model));
+    }
+    std::printf("%s\n", j.dump().c_str());
+    return r.ranked.empty() ? 1 : 0;
+  }
+  std::printf("dtrain plan: %s, %ld parameters, %s; batch %ld\n", model.description.c_str(),
+              static_cast<long>(model.params()), model.precision.name.c_str(), static_cast<long>(batch));
+  std::printf("machine: %s%s\n", t.description.c_str(),
+              o.memory > 0 ? fmt::format(", {} per device", bytes_str(o.memory)).c_str() : "");
+  std::printf("%d layouts simulated, %d over the memory limit\n", r.considered, r.too_big);
+  if (r.considered == 0) {
+    std::printf(
+        "no valid layout of %d devices: dp must divide --batch-size %ld, tp the heads (%ld) and width, pp at "
+        "most the %zu blocks\n",
+        o.devices, static_cast<long>(batch), static_cast<long>(model.heads), model.blocks.size());
+    return 1;
+  }
+  if (r.ranked.empty()) {
+    std::printf("no layout of %d devices fits %s per device\n", o.devices, bytes_str(o.memory).c_str());
+    return 1;
+  }
+  print_ranking(o, r);
+  print_prediction(r.ranked.front(), model, t.hw);
+  return 0;
+}
+
 }  // namespace
 
 void add_plan_options(CLI::App& app, PlanOptions& o) {
@@ -304,65 +566,11 @@ void add_plan_options(CLI::App& app, PlanOptions& o) {
 
 int run_plan(CLI::App& app, PlanOptions& o, const std::vector<std::string>& argv) {
   train::apply_config_file(app, o.train);
+  check_plan_options(o);
+  const plan::ModelSpec model = plan_model(o);
   train::TrainConfig& cfg = o.train;
+  plan::Layout layout = layout_of(cfg);
   const auto given = [&](const char* flag) { return cfg.given.count(flag) > 0; };
-  const bool by_params = o.params > 0;
-  DT_CHECK(o.params >= 0, "plan", "--params {} must be positive", o.params);
-  DT_CHECK(o.top >= 1, "plan", "--top {} must be at least 1", o.top);
-  DT_CHECK(o.flops_efficiency > 0 && o.flops_efficiency <= 1, "plan", "--flops-efficiency {} not in (0, 1]",
-           o.flops_efficiency);
-  DT_CHECK(o.link_efficiency > 0 && o.link_efficiency <= 1, "plan", "--link-efficiency {} not in (0, 1]",
-           o.link_efficiency);
-  DT_CHECK(o.device_flops >= 0 && o.link_gbps >= 0 && o.memory >= 0 && o.devices >= 0 && o.hosts >= 0 &&
-               o.devices_per_host >= 0 && o.intra_gbps > 0,
-           "plan",
-           "--device-flops, --link-gbps, --memory, --devices, --hosts, --devices-per-host must not be "
-           "negative and --intra-gbps must be positive");
-  DT_CHECK(o.hosts == 0 || o.devices_per_host == 0, "plan", "give --hosts or --devices-per-host, not both");
-  DT_CHECK(o.precision.empty() || o.precision == "f32" || o.precision == "mixed", "plan",
-           "--precision '{}': expected f32 or mixed", o.precision);
-
-  // The model: dtrain's (checked as dtrain train checks it) or a GPT by parameter count.
-  plan::ModelSpec model;
-  if (by_params) {
-    DT_CHECK(!given("model") || cfg.model == "gpt", "plan", "--params plans a GPT; --model {} has no such shape",
-             cfg.model);
-    cfg.model = "gpt";
-    if (!given("seq-len")) cfg.seq_len = 2048;
-    if (!given("batch-size")) cfg.batch_size = 1024;
-    model = plan::gpt_by_params(o.params, cfg.seq_len, o.vocab > 0 ? o.vocab : 50304, given("layers") ? cfg.layers : 0,
-                                given("width") ? cfg.width : 0, given("heads") ? cfg.heads : 0);
-  } else {
-    DT_CHECK(o.vocab == 0 || o.vocab == 256 || cfg.model != "gpt", "plan",
-             "--vocab {}: dtrain's GPT reads bytes (vocab 256); other vocabularies go with --params", o.vocab);
-    DT_CHECK(o.vocab == 0 || cfg.model == "gpt", "plan", "--vocab applies to --model gpt");
-    train::TrainConfig probe = cfg;  // the model and run flags, checked by the trainer's rules
-    probe.dp = probe.pp = probe.tp = 1;
-    probe.zero = 0;
-    probe.micro_batches = probe.accumulate = 1;
-    probe.stages.clear();
-    probe.min_workers = probe.max_restarts = 0;
-    train::finalize(probe);
-    cfg.batch_size = probe.batch_size;
-    model = plan::model_of(cfg);
-  }
-  if (o.precision == "mixed" && !by_params) {
-    model.precision = plan::mixed_precision();
-  } else if (o.precision == "f32" && by_params) {
-    model.precision = plan::f32_precision();
-  }
-
-  plan::Layout layout;
-  layout.dp = cfg.dp;
-  layout.pp = cfg.pp;
-  layout.tp = cfg.tp;
-  layout.zero = cfg.zero;
-  layout.micro_batches = cfg.micro_batches;
-  layout.accumulate = cfg.accumulate;
-  layout.schedule = parallel::parse_schedule(cfg.schedule);
-  layout.recompute = cfg.recompute;
-  layout.bucket_bytes = cfg.bucket_mb * kMiB;
-  layout.optimizer = cfg.optimizer == "adamw" ? "adamw" : (cfg.momentum != 0.0f ? "sgd" : "sgd0");
   const bool explicit_layout = given("dp") || given("pp") || given("tp");
   const bool searching = o.devices > 0 && !explicit_layout;
   if (!searching) {
@@ -381,141 +589,9 @@ int run_plan(CLI::App& app, PlanOptions& o, const std::vector<std::string>& argv
   DT_CHECK(o.hosts <= world, "plan", "--hosts {} but only {} ranks", o.hosts, world);
   DT_CHECK(o.hosts == 0 || world % o.hosts == 0, "plan", "{} ranks do not split evenly over --hosts {}", world,
            o.hosts);
-
-  // The machine.
-  plan::Hardware hw;
-  hw.memory = o.memory;
-  // Default: this machine is one host; --device-flops devices each have a host (and link) of their own.
-  hw.ranks_per_host = o.devices_per_host > 0 ? o.devices_per_host
-                      : o.hosts > 0          ? world / o.hosts
-                      : o.device_flops > 0   ? 1
-                                             : world;
-  const double gbps = o.link_gbps > 0 ? o.link_gbps : (o.device_flops > 0 ? kDefaultLinkGbps : 0.0);
-  std::string machine;
   plan::Calibration cal;
-  const plan::KernelEntry* kernels = nullptr;
-  const plan::KernelEntry* single = nullptr;
-  if (o.device_flops > 0) {
-    DT_CHECK(!o.calibrate, "plan", "--calibrate measures this machine; it does not go with --device-flops");
-    hw.device_flops = o.device_flops * o.flops_efficiency;
-    hw.cores = o.cores < 0 ? 0.0 : o.cores;
-    hw.intra = plan::LinkCost{o.intra_latency_us * 1e-6, 8.0 / (o.intra_gbps * 1e9), 0.0, 0.0, 0.0, false, true};
-    const double lat = o.link_latency_us < 0 ? kDefaultLinkLatencyUs : o.link_latency_us;
-    hw.inter = plan::LinkCost{lat * 1e-6, 8.0 / (gbps * 1e9 * o.link_efficiency), 0.0, 0.0, 0.0, false, true};
-    hw.optimizer_s_per_param = kOptimizerBytesPerParam / kDeviceMemoryBandwidth;
-    machine = fmt::format(
-        "{} devices of {:.3g} FLOP/s{}, {} per host; links {:.4g} Gbit/s ({} us) between hosts, "
-        "{:.4g} Gbit/s ({} us) within",
-        world, o.device_flops, o.flops_efficiency < 1 ? fmt::format(" at {:.0f}%", o.flops_efficiency * 100) : "",
-        hw.ranks_per_host, gbps, lat, o.intra_gbps, o.intra_latency_us);
-  } else {
-    if (!o.calibration.empty() && (!o.calibrate || std::ifstream(o.calibration).good())) {
-      cal = plan::load_calibration(o.calibration);
-    }
-    DT_CHECK(o.calibrate || !o.calibration.empty(), "plan",
-             "no compute rate: give --device-flops, or --calibrate to measure this machine (--calibration FILE to "
-             "keep the measurements)");
-    if (o.calibrate) {
-      DT_CHECK(!by_params, "plan", "--calibrate times dtrain's own models; with --params give --device-flops");
-      DT_CHECK(!searching, "plan", "--calibrate measures the kernels of one layout; give --dp/--pp/--tp");
-      cal = calibrate(cfg, layout, cfg.batch_size, argv, cal);
-      if (!o.calibration.empty()) plan::save_calibration(cal, o.calibration);
-    }
-    hw.device_flops = cal.flops_per_s * o.flops_efficiency;
-    hw.cores = o.cores < 0 ? cal.cores : o.cores;
-    hw.threads = cfg.threads;
-    hw.optimizer_s_per_param = cal.optimizer_s_per_param;
-    hw.copy_s_per_byte = cal.copy_s_per_byte;
-    hw.intra = plan::LinkCost{
-        cal.shm.alpha_s, 0.0, cal.shm.beta_s_per_byte, cal.gamma_s_per_byte, cal.copy_s_per_byte, true, false};
-    const double lat = (o.link_latency_us < 0 ? 0.0 : o.link_latency_us) * 1e-6;
-    const double tcp_cpu = o.link_cpu_ns_per_byte >= 0 ? o.link_cpu_ns_per_byte * 1e-9 : cal.tcp.beta_s_per_byte;
-    hw.inter = plan::LinkCost{cal.tcp.alpha_s + lat,
-                              gbps > 0 ? 8.0 / (gbps * 1e9 * o.link_efficiency) : 0.0,
-                              tcp_cpu,
-                              cal.gamma_s_per_byte,
-                              cal.copy_s_per_byte,
-                              false,
-                              false};
-    if (!by_params && !searching) {
-      const std::string meta = train::model_metadata(cfg);
-      const int64_t rows = cfg.batch_size / (layout.dp * layout.accumulate * layout.micro_batches);
-      const int threads = std::max(1, cfg.threads);
-      const int concurrency = std::max(1, std::min(cal.cores, layout.world() * threads) / threads);
-      kernels = cal.find(meta, rows, layout.tp, threads, concurrency);
-      single = cal.find(meta, cfg.batch_size, 1, threads, 1);
-    }
-    machine = fmt::format(
-        "{} ranks on {:.3g} cores, {} per host; compute: {}; shared memory alpha {:.2f} us, beta {:.3f} ns/B; TCP "
-        "alpha {:.1f} us, beta {:.3f} ns/B, {:.3f} ns/B of core time between hosts{}",
-        world, hw.cores, hw.ranks_per_host,
-        kernels ? "this machine's kernels for these blocks"
-                : fmt::format("{:.3g} FLOP/s (calibrated)", hw.device_flops),
-        cal.shm.alpha_s * 1e6, cal.shm.beta_s_per_byte * 1e9, hw.inter.alpha * 1e6, cal.tcp.beta_s_per_byte * 1e9,
-        tcp_cpu * 1e9, gbps > 0 ? fmt::format(", host links {:.4g} Gbit/s", gbps) : std::string());
-  }
-
-  const int64_t batch = cfg.batch_size;
-  if (!searching) {
-    const plan::Prediction p =
-        plan::predict(model, hw, layout, batch, kernels ? &kernels->times : nullptr, single ? &single->times : nullptr);
-    if (o.json) {
-      nlohmann::json j = prediction_json(p, model);
-      j["model"] = model.description;
-      j["params"] = model.params();
-      j["machine"] = machine;
-      std::printf("%s\n", j.dump().c_str());
-      return 0;
-    }
-    std::printf("dtrain plan: %s, %ld parameters, %s\n", model.description.c_str(), static_cast<long>(model.params()),
-                model.precision.name.c_str());
-    std::printf("machine: %s\n", machine.c_str());
-    print_prediction(p, model, hw);
-    return 0;
-  }
-
-  plan::SearchOptions so;
-  so.devices = o.devices;
-  const plan::SearchResult r = plan::search(model, hw, batch, layout, so);
-  if (o.json) {
-    nlohmann::json j{{"model", model.description}, {"params", model.params()}, {"machine", machine},
-                     {"considered", r.considered}, {"too_big", r.too_big},     {"ranked", nlohmann::json::array()}};
-    for (size_t i = 0; i < r.ranked.size() && i < static_cast<size_t>(o.top); ++i) {
-      j["ranked"].push_back(prediction_json(r.ranked[i], model));
-    }
-    std::printf("%s\n", j.dump().c_str());
-    return r.ranked.empty() ? 1 : 0;
-  }
-  std::printf("dtrain plan: %s, %ld parameters, %s; batch %ld\n", model.description.c_str(),
-              static_cast<long>(model.params()), model.precision.name.c_str(), static_cast<long>(batch));
-  std::printf("machine: %s%s\n", machine.c_str(),
-              o.memory > 0 ? fmt::format(", {} per device", bytes_str(o.memory)).c_str() : "");
-  std::printf("%d layouts simulated, %d over the memory limit\n", r.considered, r.too_big);
-  if (r.considered == 0) {
-    std::printf(
-        "no valid layout of %d devices: dp must divide --batch-size %ld, tp the heads (%ld) and width, pp at "
-        "most the %zu blocks\n",
-        o.devices, static_cast<long>(batch), static_cast<long>(model.heads), model.blocks.size());
-    return 1;
-  }
-  if (r.ranked.empty()) {
-    std::printf("no layout of %d devices fits %s per device\n", o.devices, bytes_str(o.memory).c_str());
-    return 1;
-  }
-  std::printf("%4s  %-44s %10s %10s %10s %10s %7s\n", "rank", "layout", "step", "compute", "comm", "bubble", "E");
-  for (size_t i = 0; i < r.ranked.size() && i < static_cast<size_t>(o.top); ++i) {
-    const plan::Prediction& p = r.ranked[i];
-    std::printf("%4zu  %-44s %10s %10s %10s %10s %7.3f  %s\n", i + 1, p.layout.str().c_str(),
-                time_str(p.step_s).c_str(), time_str(p.compute_s).c_str(), time_str(p.exposed_comm_s).c_str(),
-                time_str(p.bubble_s).c_str(), p.efficiency, bytes_str(p.memory.total()).c_str());
-  }
-  const plan::Prediction& best = r.ranked.front();
-  std::printf("\nrecommended: --dp %d --pp %d --tp %d --zero %d --micro-batches %ld --accumulate %ld --schedule %s%s\n",
-              best.layout.dp, best.layout.pp, best.layout.tp, best.layout.zero,
-              static_cast<long>(best.layout.micro_batches), static_cast<long>(best.layout.accumulate),
-              parallel::schedule_name(best.layout.schedule), best.layout.recompute ? " --recompute" : "");
-  print_prediction(best, model, hw);
-  return 0;
+  const Target target = target_machine(o, layout, world, searching, argv, cal);
+  return searching ? print_search(o, model, layout, target) : print_plan(o, model, layout, target);
 }
 
 }  // namespace dtrain::tools

@@ -1,4 +1,4 @@
-#include "dtrain/train/checkpoint.h"
+#include "dtrain/checkpoint/checkpoint.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -12,12 +12,12 @@
 #include <fstream>
 #include <limits>
 
+#include "dtrain/checkpoint/model_io.h"
 #include "dtrain/core/error.h"
 #include "dtrain/core/file.h"
 #include "dtrain/core/log.h"
-#include "dtrain/train/model_io.h"
 
-namespace dtrain::train {
+namespace dtrain::checkpoint {
 
 namespace fs = std::filesystem;
 
@@ -422,4 +422,4 @@ CheckpointShard Checkpointer::read(int64_t step, int rank) const {
   return shard;
 }
 
-}  // namespace dtrain::train
+}  // namespace dtrain::checkpoint

@@ -1,4 +1,4 @@
-#include "dtrain/train/model_io.h"
+#include "dtrain/checkpoint/model_io.h"
 
 #include <fcntl.h>
 #include <openssl/evp.h>
@@ -15,7 +15,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/core/file.h"
 
-namespace dtrain::train {
+namespace dtrain::checkpoint {
 
 namespace {
 
@@ -202,4 +202,4 @@ DiffResult diff_models(const ModelFile& a, const ModelFile& b) {
   return result;
 }
 
-}  // namespace dtrain::train
+}  // namespace dtrain::checkpoint

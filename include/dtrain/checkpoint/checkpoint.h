@@ -32,7 +32,7 @@
 #include "dtrain/comm/group.h"
 #include "dtrain/nn/module.h"
 
-namespace dtrain::train {
+namespace dtrain::checkpoint {
 
 /// One rank's part of a checkpoint, in a form that does not depend on the data-parallel layout
 /// (so that it can be loaded into another one).
@@ -123,4 +123,4 @@ std::vector<int64_t> checkpoint_steps(const std::string& dir);
 std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohmann::json& compatible,
                               nlohmann::json* layout = nullptr);
 
-}  // namespace dtrain::train
+}  // namespace dtrain::checkpoint

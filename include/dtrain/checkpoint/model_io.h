@@ -13,7 +13,7 @@
 #include "dtrain/core/file.h"  // write_file_atomic
 #include "dtrain/nn/module.h"
 
-namespace dtrain::train {
+namespace dtrain::checkpoint {
 
 struct ModelFile {
   std::string metadata;  // JSON: model kind and shape options
@@ -45,4 +45,4 @@ struct DiffResult {
 /// Compares two models tensor by tensor; names, order and shapes must match.
 DiffResult diff_models(const ModelFile& a, const ModelFile& b);
 
-}  // namespace dtrain::train
+}  // namespace dtrain::checkpoint

@@ -1,0 +1,53 @@
+// Fault injection (DTRAIN_FAULT), for tests and demonstrations of the launcher's restarts and
+// the failure detection: a worker crashes, stops, straggles, loses its network, hangs or exits
+// early at a chosen step.
+//
+// DTRAIN_FAULT is a comma-separated list of
+// KIND:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A][:ms=M]. Rank R acts when it
+// starts step S (1-based); with phase=allreduce, after its backward, when the other ranks are
+// in (or entering) the gradient all_reduce; with phase=checkpoint, in the middle of writing the
+// checkpoint of step S (its file written, the manifest not yet). KIND is
+//   kill   SIGKILL itself (a crash);
+//   stop   SIGSTOP itself (a hung process: only the heartbeats can tell);
+//   delay  sleep M ms (a straggler: the run goes on unless M exceeds --timeout);
+//   drop   shut down every socket it holds (a lost network: store and TCP peers);
+//   hang   block its main thread for good, as a read from a stuck file system does, while its
+//          heartbeat thread beats on (only the progress watch can tell, comm/progress.h);
+//   exit   exit(0) in the middle of the job (a script that returns early: its peers would wait).
+// A delay is a straggler that still makes progress (it notes progress while it sleeps).
+// Only on start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through;
+// attempt=any fires on every start (a worker that cannot come back).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain::launch {
+
+/// Where in a step a fault fires.
+enum class FaultPhase { step, allreduce, checkpoint };
+enum class FaultKind { kill, stop, delay, drop, hang, exit };
+
+struct Fault {
+  FaultKind kind = FaultKind::kill;
+  int64_t ms = 0;  // delay only
+  int rank = -1;
+  int64_t step = -1;  // 1-based
+  FaultPhase phase = FaultPhase::step;
+  int attempt = 0;  // -1: every start
+};
+
+/// The faults of `spec` (DTRAIN_FAULT's syntax, above) that rank `rank` acts on in start
+/// `attempt`; none for an empty spec. Throws dtrain::Error naming the spec and the part that
+/// cannot be read.
+std::vector<Fault> parse_faults(const std::string& spec, int rank, int attempt);
+
+/// parse_faults of DTRAIN_FAULT for the start DTRAIN_RESTART says (default 0).
+std::vector<Fault> faults_from_env(int rank);
+
+/// Acts on every one of `faults` planned for `step` at `phase` (kill, exit and hang do not
+/// return).
+void inject_faults(const std::vector<Fault>& faults, int64_t step, FaultPhase phase);
+
+}  // namespace dtrain::launch
