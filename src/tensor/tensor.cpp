@@ -169,6 +169,24 @@ Tensor Tensor::randn(const Shape& shape, Generator& gen, float std) {
   return t;
 }
 
+Tensor Tensor::borrow(void* data, const Shape& shape, std::shared_ptr<const void> owner, DType dtype) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>(data, static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype),
+                                            std::move(owner));
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = dtype;
+  return Tensor(impl);
+}
+
+void Tensor::rebind(void* data, std::shared_ptr<const void> owner) {
+  TensorImpl& t = checked(impl_);
+  t.storage = std::make_shared<Storage>(data, static_cast<size_t>(shape_numel(t.shape)) * dtype_size(t.dtype),
+                                        std::move(owner));
+  t.offset = 0;
+  t.strides = contiguous_strides(t.shape);
+}
+
 Tensor Tensor::uniform(const Shape& shape, Generator& gen, float lo, float hi) {
   Tensor t = empty(shape);
   float* p = t.data();

@@ -2,6 +2,12 @@
 // of the global batch, and the gradients are averaged across ranks before an identical
 // optimizer step, so every rank keeps identical parameters.
 //
+// DataParallel is the adapter of dtrain's tensors over the gradient Reducer (reducer.h), which
+// owns the buckets, their order and the ways of synchronising, and knows only plain memory:
+// it gives the reducer views of its parameters, points their gradient homes at the reducer's
+// buckets, calls Reducer::mark_ready from their grad-ready hooks, and (ZeRO) moves the
+// parameters into the buckets' values (Tensor::rebind).
+//
 // How a step goes (the trainer, or your own loop):
 //   DataParallel dp(model->named_parameters(), group, options);
 //   dp.broadcast_parameters();                 // once: rank 0's values everywhere, verified
@@ -36,7 +42,7 @@
 //   comm layer's compressed collective (comm/compress.h: blocks encoded once per contributor,
 //   reduced in f32, the result encoded once). Error feedback: what a step's encoding lost (its
 //   residual, kept per bucket) is added to the next step's gradients before they are sent.
-// - "powersgd:R": matrix gradients travel as rank-R factors P, Q (see powersgd.h), with error
+// - "powersgd:R": matrix gradients travel as rank-R factors P, Q (see src/parallel/sync_powersgd.cpp), with error
 //   feedback and a warm-started Q; vectors uncompressed. Runs in synchronize() after backward
 //   (no overlap); ZeRO 0 only.
 // take_comm_volume() tells how many bytes this rank sent and what f32 would have sent.
@@ -66,10 +72,10 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/comm/compress.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/optim.h"
+#include "dtrain/parallel/reducer.h"
 
 namespace dtrain::parallel {
 
@@ -83,33 +89,11 @@ struct DdpOptions {
   uint64_t seed = 0;              // powersgd: the initial Q (the same on every rank)
 };
 
-/// A parsed DdpOptions::compress: a codec, or PowerSGD of a rank.
-struct Compression {
-  comm::Codec codec = comm::Codec::none;
-  int powersgd_rank = 0;  // > 0: PowerSGD
-};
-/// Parses none | bf16 | fp16 | int8 | int4 | powersgd:RANK (RANK in [1, 1024]); throws
-/// dtrain::Error naming the text.
-Compression parse_compression(const std::string& text);
-
-/// Bytes this rank sent for gradient synchronisation, and what f32 would have sent.
-struct CommVolume {
-  uint64_t wire_bytes = 0;
-  uint64_t raw_bytes = 0;
-};
-
 /// Bytes this rank holds for the model's training state.
 struct MemoryReport {
   int64_t param_bytes = 0;      // with shared parameters (ZeRO 1): this rank's share of the host's one copy
   int64_t grad_bytes = 0;       // persistent gradient buffers (buckets or ZeRO pieces)
   int64_t optimizer_bytes = 0;  // the optimizer's state tensors
-};
-
-/// One bucket's communication in one step, for traces.
-struct BucketEvent {
-  int bucket = 0;
-  size_t bytes = 0;
-  comm::Clock::time_point start, end;
 };
 
 class DataParallel {

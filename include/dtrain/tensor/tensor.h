@@ -76,6 +76,10 @@ class Tensor {
   /// Normal(0, std) and Uniform[lo, hi) draws from a deterministic generator.
   static Tensor randn(const Shape& shape, Generator& gen, float std = 1.0f);
   static Tensor uniform(const Shape& shape, Generator& gen, float lo, float hi);
+  /// A contiguous tensor of `shape` over memory someone else owns (a data-parallel bucket, a
+  /// mapping shared between processes), kept alive by `owner` (required); not counted in
+  /// memory::. The caller keeps the memory large enough for the shape.
+  static Tensor borrow(void* data, const Shape& shape, std::shared_ptr<const void> owner, DType dtype = DType::f32);
 
   // ---- metadata ----
   bool defined() const { return impl_ != nullptr; }
@@ -112,6 +116,12 @@ class Tensor {
   /// Copies src's values into this tensor (same numel, no autograd).
   void copy_from(const Tensor& src);
   void fill_(float value);
+  /// Moves this tensor onto memory someone else owns: from now on its elements are at `data`,
+  /// contiguous, this shape and dtype, kept alive by `owner` (required). The values there are
+  /// not touched (copy them first). Every handle of this tensor sees the move, so a model's
+  /// parameters stay valid (ZeRO moves them into its buckets); views taken before keep the old
+  /// storage.
+  void rebind(void* data, std::shared_ptr<const void> owner);
 
   // ---- autograd ----
   bool requires_grad() const;

@@ -1,0 +1,147 @@
+// The ways the Reducer synchronises a step's gradients (internal to the parallel layer), one
+// class each, picked once when the Reducer is built (choose_sync): like c10d's communication
+// hooks, a strategy gets a bucket whose gradients are final and returns the Work of its
+// collective. It also decides where the buckets' memory lives (the heap, or memory the ranks
+// share) and, under ZeRO, how the updated pieces reach every rank.
+//
+//   AllReduceSync            ZeRO 0: all_reduce (avg) per bucket                 sync_allreduce.cpp
+//   SharedAllReduceSync      ZeRO 0, one host: all_reduce in the shared slots    sync_shared.cpp
+//   ZeroSync                 ZeRO 1/2: reduce_scatter per bucket, all_gather     sync_zero.cpp
+//   SharedZeroSync           ZeRO 1, one host: reduce_scatter in place, barrier  sync_shared.cpp
+//   CompressedAllReduceSync  ZeRO 0, a codec, error feedback                     sync_compressed.cpp
+//   CompressedZeroSync       ZeRO 1/2, a codec, error feedback                   sync_compressed.cpp
+//   PowerSgdSync             ZeRO 0, low-rank factors after backward             sync_powersgd.cpp
+//
+// Every call of a Group method that is asynchronous, compressed or on shared memory is in one
+// of these files, once.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/comm/group.h"
+#include "dtrain/parallel/reducer.h"
+
+namespace dtrain::parallel {
+
+/// Floats in memory that the pointer keeps alive (an aliasing shared_ptr into its owner).
+using Floats = std::shared_ptr<float>;
+using Allocate = std::function<std::shared_ptr<void>(size_t bytes)>;
+
+/// max(1, count) zeroed floats from `allocate` (64-byte aligned heap when empty).
+Floats zeroed_floats(const Allocate& allocate, size_t count);
+
+/// A bucket as a strategy sees it (c10d's GradBucket): its layout, its memory, its step.
+struct Bucket {
+  size_t index = 0;
+  std::vector<size_t> params;   // parameter indices
+  std::vector<size_t> offsets;  // element offset of each in the bucket
+  size_t count = 0;             // elements used
+  size_t padded = 0;            // count rounded up to a multiple of the world size
+  Floats grad;                  // padded gradients, reduced in place (ZeRO 2: only during a step)
+  Floats values;                // ZeRO: the parameters' home, padded
+  Floats piece_grad;            // ZeRO: this rank's averaged piece, padded / world
+  // The reducer's step state.
+  size_t pending = 0;  // gradients not final yet in this step
+  bool launched = false;
+  comm::Work work;
+  comm::Clock::time_point started;
+};
+
+/// What every strategy is built with.
+struct SyncContext {
+  comm::Group group;
+  int zero = 0;
+  Allocate allocate;
+  size_t world() const { return static_cast<size_t>(group.size()); }
+  size_t piece_of(const Bucket& b) const { return b.padded / world(); }
+};
+
+class SyncStrategy {
+ public:
+  explicit SyncStrategy(SyncContext context) : ctx_(std::move(context)) {}
+  virtual ~SyncStrategy() = default;
+  SyncStrategy(const SyncStrategy&) = delete;
+  SyncStrategy& operator=(const SyncStrategy&) = delete;
+
+  /// Once, when the reducer is built: every bucket's buffers (grad; ZeRO: values holding the
+  /// parameters' values, and piece_grad). Collective where the memory is shared.
+  virtual void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) = 0;
+  /// Starts bucket b's reduction: its gradients are final on this rank.
+  virtual comm::Work start(Bucket& b) = 0;
+  /// False: the buckets do not start one by one; reduce_all() runs them after backward.
+  virtual bool per_bucket() const { return true; }
+  virtual void reduce_all(std::vector<Bucket>& /*buckets*/) {}
+  /// After bucket b's Work completed.
+  virtual void finished(Bucket& /*b*/) {}
+  /// After every bucket of the step was handed over.
+  virtual void end_step(std::vector<Bucket>& /*buckets*/) {}
+  /// ZeRO, collective: every rank gets every updated piece of the values.
+  virtual void gather(std::vector<Bucket>& /*buckets*/) {}
+  virtual bool shares_memory() const { return false; }
+  virtual bool shares_values() const { return false; }
+  virtual std::vector<StateEntry> state(const std::vector<Bucket>& /*buckets*/) const { return {}; }
+  virtual void load_state(std::vector<Bucket>& /*buckets*/, const std::vector<StateEntry>& /*state*/) {}
+
+  CommVolume take_volume() {
+    const CommVolume v = volume_;
+    volume_ = CommVolume{};
+    return v;
+  }
+
+ protected:
+  SyncContext ctx_;
+  CommVolume volume_;
+};
+
+/// ZeRO 0 on the heap: each bucket all_reduced (avg) in place.
+class AllReduceSync : public SyncStrategy {
+ public:
+  using SyncStrategy::SyncStrategy;
+  void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override;
+  comm::Work start(Bucket& b) override;
+
+ protected:
+  /// Adds an all_reduce of bucket b to the volume (ring: 2 (world - 1) / world of it).
+  void count_volume(const Bucket& b);
+};
+
+/// ZeRO 1/2 on the heap: the values in the buckets, each bucket reduce_scattered (avg) into
+/// this rank's piece, the updated pieces all_gathered; ZeRO 2 frees the gradient buckets after
+/// each step.
+class ZeroSync : public SyncStrategy {
+ public:
+  using SyncStrategy::SyncStrategy;
+  void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override;
+  comm::Work start(Bucket& b) override;
+  void end_step(std::vector<Bucket>& buckets) override;
+  void gather(std::vector<Bucket>& buckets) override;
+
+ protected:
+  /// Copies the parameters' values into bucket b's values.
+  static void copy_values_in(Bucket& b, const std::vector<ReducerParam>& params);
+  /// Adds a reduce_scatter of bucket b to the volume ((world - 1) / world of it).
+  void count_volume(const Bucket& b);
+};
+
+/// The shared-memory strategy for ZeRO 0 (all_reduce in the slots) or 1 (one copy of the
+/// values, reduce_scatter in place), or null where the ranks cannot share: not every rank on
+/// this host over shm, a plan chosen for ZeRO 0 (DTRAIN_ALGO), or no room in /dev/shm (that
+/// one collective: every rank gets the same answer).
+std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::vector<Bucket>& buckets);
+/// A codec with error feedback: all_reduce (ZeRO 0) or reduce_scatter (ZeRO 1/2) compressed.
+std::unique_ptr<SyncStrategy> make_compressed_sync(SyncContext context, comm::Codec codec);
+/// PowerSGD of `rank` (ZeRO 0).
+std::unique_ptr<SyncStrategy> make_powersgd_sync(SyncContext context, int rank, uint64_t seed,
+                                                 const std::vector<ReducerParam>& params);
+
+/// The entry `name` of a saved state, checked against `shape`; throws naming a missing or
+/// misshapen entry.
+const StateEntry& state_entry(const std::vector<StateEntry>& state, const std::string& name,
+                              const std::vector<int64_t>& shape);
+
+}  // namespace dtrain::parallel
