@@ -1,6 +1,8 @@
 // dtrain sweep without processes: the space from flags and TOML, the trials of grid and random,
 // successive halving's decisions on synthetic metrics, records, results, and the errors bad input
 // gets before any trial could start.
+#include "dtrain/train/sweep.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -13,7 +15,6 @@
 #include <string>
 
 #include "dtrain/core/error.h"
-#include "dtrain/train/sweep.h"
 
 namespace dtrain::train {
 namespace {
@@ -106,7 +107,8 @@ TEST(SweepSpace, ReadsTomlAndFlagsWin) {
   EXPECT_EQ(s.train, (OptionValues{{"model", "mlp"}, {"steps", "9"}, {"batch-size", "16"}, {"lr", "0.5"}}));
 
   std::ofstream(file) << "strategy = \"grid\"\nwidth_of_grid = 3\n";
-  EXPECT_NE(error_of([&] { read_sweep_file(file, s, {}); }).find("key 'width_of_grid': unknown key"), std::string::npos);
+  EXPECT_NE(error_of([&] { read_sweep_file(file, s, {}); }).find("key 'width_of_grid': unknown key"),
+            std::string::npos);
   std::ofstream(file) << "[space]\nlr = { min = 1, maximum = 2 }\n";
   EXPECT_NE(error_of([&] { read_sweep_file(file, s, {}); }).find("unknown key 'maximum'"), std::string::npos);
   std::ofstream(file) << "[space]\nlearning_rate = [1, 2]\n";
@@ -188,7 +190,7 @@ TEST(SweepTrials, RandomSamplesContinuousRangesInsideThem) {
   }
   EXPECT_GE(lo, 1e-4);
   EXPECT_LE(hi, 1e-1);
-  EXPECT_GT(small, 100);  // log-uniform: two thirds of the decades lie below 1e-2
+  EXPECT_GT(small, 100);           // log-uniform: two thirds of the decades lie below 1e-2
   EXPECT_EQ(warmups.size(), 11u);  // every integer of [0, 10] drawn
   // Trial t's values depend on the seed and t only.
   s.trials = 3;
@@ -243,6 +245,10 @@ TEST(SweepAsha, RungsAndChecks) {
   EXPECT_EQ(p.spec.max_steps, 270);
   EXPECT_EQ(p.spec.checkpoint_every, 10);  // every rung ends on a checkpoint
   EXPECT_EQ(trial_flags(p, p.trials[0], 30).back(), "--steps=30");
+  s.train = parse_train_flags({"--hidden=8", "--steps=800"});  // 800 / 27 = 29: the divisor 25 instead
+  EXPECT_EQ(plan_sweep(s).rungs, (std::vector<int64_t>{25, 75, 225, 675, 800}));
+  EXPECT_EQ(plan_sweep(s).spec.checkpoint_every, 25);
+  s.train = parse_train_flags({"--hidden=8", "--steps=270"});
   EXPECT_NE(trial_command(p, p.trials[0]).find("--steps 270"), std::string::npos);
   s.checkpoint_every = 4;
   EXPECT_NE(error_of([&] { plan_sweep(s); }).find("--checkpoint-every 4 must divide every rung's budget"),

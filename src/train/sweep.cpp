@@ -1,15 +1,15 @@
 #include "dtrain/train/sweep.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <toml++/toml.h>
+
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
 #include <numeric>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <toml++/toml.h>
 
 #include "dtrain/core/error.h"
 #include "dtrain/train/config.h"
@@ -25,8 +25,8 @@ constexpr int kVersion = 1;
 
 // Options the sweep sets for every trial itself: its files live in the sweep directory.
 const std::set<std::string>& reserved_options() {
-  static const std::set<std::string> names{"metrics", "checkpoint-dir", "checkpoint-every", "keep", "save",
-                                           "trace", "progress"};
+  static const std::set<std::string> names{"metrics", "checkpoint-dir", "checkpoint-every", "keep",
+                                           "save",    "trace",          "progress"};
   return names;
 }
 
@@ -53,11 +53,16 @@ const OptionInfo& known_option(const std::string& name, const std::string& where
 
 const char* kind_name(OptionKind k) {
   switch (k) {
-    case OptionKind::text: return "text";
-    case OptionKind::integer: return "an integer";
-    case OptionKind::number: return "a number";
-    case OptionKind::boolean: return "true or false";
-    case OptionKind::integer_list: return "a list of integers";
+    case OptionKind::text:
+      return "text";
+    case OptionKind::integer:
+      return "an integer";
+    case OptionKind::number:
+      return "a number";
+    case OptionKind::boolean:
+      return "true or false";
+    case OptionKind::integer_list:
+      return "a list of integers";
   }
   return "?";
 }
@@ -76,8 +81,7 @@ std::vector<std::string> split(const std::string& s, char sep) {
 double parse_number(const std::string& text, const std::string& where) {
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
-  DT_CHECK(!text.empty() && *end == '\0' && std::isfinite(v), "sweep", "{}: '{}' is not a finite number", where,
-           text);
+  DT_CHECK(!text.empty() && *end == '\0' && std::isfinite(v), "sweep", "{}: '{}' is not a finite number", where, text);
   return v;
 }
 
@@ -140,7 +144,8 @@ std::vector<std::string> axis_points(const SweepAxis& a, const OptionValues& tra
   } else {
     for (int64_t i = 0; i < a.points; ++i) {
       const double t = static_cast<double>(i) / static_cast<double>(a.points - 1);
-      double v = a.log ? std::exp(std::log(a.min) + t * (std::log(a.max) - std::log(a.min))) : a.min + t * (a.max - a.min);
+      double v =
+          a.log ? std::exp(std::log(a.min) + t * (std::log(a.max) - std::log(a.min))) : a.min + t * (a.max - a.min);
       if (i == 0) v = a.min;
       if (i == a.points - 1) v = a.max;
       out.push_back(canonical_value(train, a.name, range_text(v, a.integer), where));
@@ -196,7 +201,7 @@ struct MetricInfo {
 };
 
 constexpr MetricInfo kMetrics[] = {
-    {"test_accuracy", true, true, false}, {"val_loss", false, false, true},     {"train_loss", false, true, true},
+    {"test_accuracy", true, true, false}, {"val_loss", false, false, true},    {"train_loss", false, true, true},
     {"samples_per_s", true, true, true},  {"tokens_per_s", true, false, true},
 };
 
@@ -257,8 +262,9 @@ SweepAxis axis_from_toml(const std::string& key, const toml::node& node, const s
     const std::string field(k.str());
     const std::string at = where + "." + field;
     if (field == "min" || field == "max") {
-      std::optional<double> x = v.value_exact<int64_t>() ? std::optional<double>(static_cast<double>(*v.value_exact<int64_t>()))
-                                                         : v.value_exact<double>();
+      std::optional<double> x = v.value_exact<int64_t>()
+                                    ? std::optional<double>(static_cast<double>(*v.value_exact<int64_t>()))
+                                    : v.value_exact<double>();
       DT_CHECK(x.has_value() && std::isfinite(*x), "sweep", "{}: expected a finite number", at);
       (field == "min" ? a.min : a.max) = *x;
       (field == "min" ? has_min : has_max) = true;
@@ -309,9 +315,12 @@ void check_range(const SweepAxis& a, const OptionInfo& o, const std::string& whe
 
 const char* strategy_name(SweepStrategy s) {
   switch (s) {
-    case SweepStrategy::grid: return "grid";
-    case SweepStrategy::random: return "random";
-    case SweepStrategy::asha: return "asha";
+    case SweepStrategy::grid:
+      return "grid";
+    case SweepStrategy::random:
+      return "random";
+    case SweepStrategy::asha:
+      return "asha";
   }
   return "?";
 }
@@ -502,9 +511,16 @@ SweepPlan plan_sweep(SweepSpec spec) {
         if (name == "steps") spec.max_steps = parse_count(text, "--steps");
       }
     }
-    DT_CHECK(spec.max_steps > 0, "sweep", "asha needs a step budget: --max-steps N (or --steps N among the train options)");
+    DT_CHECK(spec.max_steps > 0, "sweep",
+             "asha needs a step budget: --max-steps N (or --steps N among the train options)");
     DT_CHECK(spec.eta >= 2, "sweep", "--eta {}: expected at least 2", spec.eta);
-    if (spec.min_steps == 0) spec.min_steps = std::max<int64_t>(1, spec.max_steps / (spec.eta * spec.eta * spec.eta));
+    if (spec.min_steps == 0) {
+      // About max / eta^3 (three halvings), a divisor of max so that every rung ends on a checkpoint
+      // of a coarse interval (800 steps, eta 3: rungs 25, 75, 225, 675, 800, checkpoints every 25).
+      const int64_t target = std::max<int64_t>(1, spec.max_steps / (spec.eta * spec.eta * spec.eta));
+      spec.min_steps = target;
+      while (spec.max_steps % spec.min_steps != 0) --spec.min_steps;
+    }
     DT_CHECK(spec.min_steps <= spec.max_steps, "sweep", "--min-steps {} is more than --max-steps {}", spec.min_steps,
              spec.max_steps);
     std::erase_if(spec.train, [](const auto& p) { return p.first == "steps"; });
@@ -518,7 +534,8 @@ SweepPlan plan_sweep(SweepSpec spec) {
              spec.checkpoint_every, fmt::join(plan.rungs, ", "));
   } else {
     DT_CHECK(spec.min_steps == 0 && spec.max_steps == 0, "sweep",
-             "--min-steps / --max-steps are asha's rungs; {} trains each trial to its own --steps", strategy_name(spec.strategy));
+             "--min-steps / --max-steps are asha's rungs; {} trains each trial to its own --steps",
+             strategy_name(spec.strategy));
     plan.rungs = {0};
   }
   // Every axis' values, checked against the option's type with the fixed options around them.
@@ -568,7 +585,8 @@ SweepPlan plan_sweep(SweepSpec spec) {
     std::iota(order.begin(), order.end(), 0);
     uint64_t state = spec.seed;
     for (int64_t t = 0; t < spec.trials; ++t) {
-      const auto j = static_cast<size_t>(t + static_cast<int64_t>(random_below(state, static_cast<uint64_t>(grid_size - t))));
+      const auto j =
+          static_cast<size_t>(t + static_cast<int64_t>(random_below(state, static_cast<uint64_t>(grid_size - t))));
       std::swap(order[static_cast<size_t>(t)], order[j]);
       SweepTrial trial{t, {}};
       int64_t rest = order[static_cast<size_t>(t)], stride = grid_size;
@@ -709,9 +727,12 @@ namespace {
 
 const char* state_name(RungOutcome::State s) {
   switch (s) {
-    case RungOutcome::State::pending: return "pending";
-    case RungOutcome::State::done: return "done";
-    case RungOutcome::State::failed: return "failed";
+    case RungOutcome::State::pending:
+      return "pending";
+    case RungOutcome::State::done:
+      return "done";
+    case RungOutcome::State::failed:
+      return "failed";
   }
   return "?";
 }
@@ -742,13 +763,11 @@ nlohmann::json trial_record_json(const SweepPlan& plan, const TrialRecord& recor
     if (o.state != RungOutcome::State::pending) r["time_s"] = o.time_s;
     rungs.push_back(r);
   }
-  return {{"format", kTrialFormat},
-          {"version", kVersion},
-          {"trial", record.trial},
-          {"params", pairs_json(plan.trials[static_cast<size_t>(record.trial)].params)},
-          {"rungs", rungs},
-          {"running", record.running >= 0 ? nlohmann::json(record.running) : nlohmann::json()},
-          {"error", record.error}};
+  return {
+      {"format", kTrialFormat}, {"version", kVersion},
+      {"trial", record.trial},  {"params", pairs_json(plan.trials[static_cast<size_t>(record.trial)].params)},
+      {"rungs", rungs},         {"running", record.running >= 0 ? nlohmann::json(record.running) : nlohmann::json()},
+      {"error", record.error}};
 }
 
 TrialRecord trial_record_from_json(const SweepPlan& plan, const nlohmann::json& j, const std::string& where) {
@@ -757,10 +776,11 @@ TrialRecord trial_record_from_json(const SweepPlan& plan, const nlohmann::json& 
     DT_CHECK(j.at("format") == kTrialFormat && j.at("version") == kVersion, "sweep",
              "{}: not a dtrain sweep trial record of version {}", where, kVersion);
     r.trial = j.at("trial").get<int64_t>();
-    DT_CHECK(r.trial >= 0 && r.trial < static_cast<int64_t>(plan.trials.size()), "sweep", "{}: trial {} is not in this sweep", where, r.trial);
+    DT_CHECK(r.trial >= 0 && r.trial < static_cast<int64_t>(plan.trials.size()), "sweep",
+             "{}: trial {} is not in this sweep", where, r.trial);
     DT_CHECK(pairs_from_json(j.at("params")) == plan.trials[static_cast<size_t>(r.trial)].params, "sweep",
-             "{}: trial {} has other values ({}) than this search gives it ({})", where, r.trial,
-             j.at("params").dump(), pairs_json(plan.trials[static_cast<size_t>(r.trial)].params).dump());
+             "{}: trial {} has other values ({}) than this search gives it ({})", where, r.trial, j.at("params").dump(),
+             pairs_json(plan.trials[static_cast<size_t>(r.trial)].params).dump());
     const auto& rungs = j.at("rungs");
     DT_CHECK(rungs.size() == plan.rungs.size(), "sweep", "{}: {} rungs, the search has {}", where, rungs.size(),
              plan.rungs.size());
@@ -893,17 +913,20 @@ std::vector<nlohmann::json> sweep_results(const SweepPlan& plan, const std::vect
     double time_s = 0.0;
     for (const auto& o : r.rungs) time_s += o.time_s;
     const bool last = row.rung + 1 == static_cast<int64_t>(plan.rungs.size());
-    nlohmann::json j{{"rank", i + 1},
-                     {"trial", r.trial},
-                     {"params", params},
-                     {"metric", plan.spec.metric},
-                     {"value", row.rung >= 0 ? nlohmann::json(r.rungs[static_cast<size_t>(row.rung)].metric)
-                                             : nlohmann::json()},
-                     {"steps", row.rung >= 0 ? r.rungs[static_cast<size_t>(row.rung)].steps : 0},
-                     {"rung", row.rung},
-                     {"status", row.failed ? "failed" : row.rung < 0 ? "pending" : last ? "done" : "stopped"},
-                     {"time_s", time_s},
-                     {"command", trial_command(plan, trial)}};
+    nlohmann::json j{
+        {"rank", i + 1},
+        {"trial", r.trial},
+        {"params", params},
+        {"metric", plan.spec.metric},
+        {"value", row.rung >= 0 ? nlohmann::json(r.rungs[static_cast<size_t>(row.rung)].metric) : nlohmann::json()},
+        {"steps", row.rung >= 0 ? r.rungs[static_cast<size_t>(row.rung)].steps : 0},
+        {"rung", row.rung},
+        {"status", row.failed     ? "failed"
+                   : row.rung < 0 ? "pending"
+                   : last         ? "done"
+                                  : "stopped"},
+        {"time_s", time_s},
+        {"command", trial_command(plan, trial)}};
     if (!r.error.empty()) j["error"] = r.error;
     out.push_back(j);
   }
@@ -916,7 +939,8 @@ std::string sweep_table(const SweepPlan& plan, const std::vector<nlohmann::json>
   header.insert(header.end(), {plan.spec.metric, "steps", "time_s", "status"});
   std::vector<std::vector<std::string>> cells{header};
   for (const auto& r : results) {
-    std::vector<std::string> row{fmt::format("{}", r["rank"].get<int64_t>()), fmt::format("{}", r["trial"].get<int64_t>())};
+    std::vector<std::string> row{fmt::format("{}", r["rank"].get<int64_t>()),
+                                 fmt::format("{}", r["trial"].get<int64_t>())};
     for (const auto& a : plan.spec.space) row.push_back(r["params"][a.name].get<std::string>());
     row.push_back(r["value"].is_null() ? "-" : fmt::format("{:.6g}", r["value"].get<double>()));
     row.push_back(fmt::format("{}", r["steps"].get<int64_t>()));

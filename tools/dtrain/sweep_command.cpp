@@ -1,7 +1,8 @@
 // dtrain sweep: runs the jobs of a search (include/dtrain/train/sweep.h) as `dtrain train` child
 // processes, --parallel at a time, and keeps every trial's state in the sweep directory:
 //
-//   DIR/sweep.json               the search (space, strategy, seed, metric): a --resume of another is refused
+//   DIR/sweep.json               the search (space, strategy, seed, metric): a --resume of another is
+//                                refused; "run": --parallel and --retries, the defaults of a resume
 //   DIR/.lock                    held while a sweep runs in DIR
 //   DIR/trial-NNNN/trial.json    the trial's values and the dtrain train command that reproduces it
 //   DIR/trial-NNNN/status.json   its outcome at each rung (written atomically after each job)
@@ -15,25 +16,24 @@
 #include "sweep_command.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
 #include <thread>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/file.h"
@@ -52,8 +52,8 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr const char* kSearchFlags[] = {"strategy", "trials",    "seed", "metric",
-                                        "mode",     "min-steps", "max-steps", "eta", "checkpoint-every"};
+constexpr const char* kSearchFlags[] = {"strategy",  "trials",    "seed", "metric",          "mode",
+                                        "min-steps", "max-steps", "eta",  "checkpoint-every"};
 
 std::string trial_dir(const std::string& dir, int64_t trial) { return fmt::format("{}/trial-{:04d}", dir, trial); }
 
@@ -169,7 +169,8 @@ std::string failure_line(const std::string& log) {
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return fmt::format("killed by signal {} ({})", WTERMSIG(status), ::strsignal(WTERMSIG(status)));
+  if (WIFSIGNALED(status))
+    return fmt::format("killed by signal {} ({})", WTERMSIG(status), ::strsignal(WTERMSIG(status)));
   return fmt::format("status {}", status);
 }
 
@@ -201,9 +202,9 @@ class SweepRunner {
     return fmt::format("{}/log-{}.txt", trial_dir(dir_, job.trial), job.rung);
   }
   std::string job_name(const SweepJob& job) const {
-    return plan_.rungs.size() > 1
-               ? fmt::format("trial {} rung {} ({} steps)", job.trial, job.rung, plan_.rungs[static_cast<size_t>(job.rung)])
-               : fmt::format("trial {}", job.trial);
+    return plan_.rungs.size() > 1 ? fmt::format("trial {} rung {} ({} steps)", job.trial, job.rung,
+                                                plan_.rungs[static_cast<size_t>(job.rung)])
+                                  : fmt::format("trial {}", job.trial);
   }
 
   SweepPlan plan_;
@@ -312,13 +313,12 @@ void SweepRunner::start(const SweepJob& job) {
   if (!fs::exists(tdir + "/trial.json")) {
     nlohmann::json params = nlohmann::json::object();
     for (const auto& [name, value] : trial.params) params[name] = value;
-    write_file_atomic(tdir + "/trial.json",
-                      nlohmann::json{{"trial", trial.index},
-                                     {"params", params},
-                                     {"command", train::trial_command(plan_, trial)}}
-                              .dump(1) +
-                          "\n",
-                      "sweep");
+    write_file_atomic(
+        tdir + "/trial.json",
+        nlohmann::json{{"trial", trial.index}, {"params", params}, {"command", train::trial_command(plan_, trial)}}
+                .dump(1) +
+            "\n",
+        "sweep");
   }
   const int lock_fd = lock_trial(tdir);
   const std::vector<std::string> args = child_args(job);
@@ -449,9 +449,9 @@ int SweepRunner::finish() {
     const int64_t total = train::sweep_total_steps(records_);
     if (plan_.spec.strategy == train::SweepStrategy::asha) {
       const int64_t full = static_cast<int64_t>(plan_.trials.size()) * plan_.rungs.back();
-      std::printf("steps trained: %ld, %.1f%% of the %ld that %zu trials of %ld steps take\n",
-                  static_cast<long>(total), 100.0 * static_cast<double>(total) / static_cast<double>(full),
-                  static_cast<long>(full), plan_.trials.size(), static_cast<long>(plan_.rungs.back()));
+      std::printf("steps trained: %ld, %.1f%% of the %ld that %zu trials of %ld steps take\n", static_cast<long>(total),
+                  100.0 * static_cast<double>(total) / static_cast<double>(full), static_cast<long>(full),
+                  plan_.trials.size(), static_cast<long>(plan_.rungs.back()));
     } else {
       std::printf("steps trained: %ld\n", static_cast<long>(total));
     }
@@ -488,7 +488,8 @@ void add_sweep_options(CLI::App& app, SweepOptions& o) {
                  "the final metrics record's figure to judge by: test_accuracy (mlp, default), val_loss (gpt, "
                  "default), train_loss, samples_per_s, tokens_per_s");
   app.add_option("--mode", o.mode, "min | max (default: the metric's direction)");
-  app.add_option("--min-steps", o.min_steps, "asha: the first rung's steps (default --max-steps / eta^3)");
+  app.add_option("--min-steps", o.min_steps,
+                 "asha: the first rung's steps (default: about --max-steps / eta^3, a divisor of it)");
   app.add_option("--max-steps", o.max_steps, "asha: the last rung's steps (default: --steps of the train options)");
   app.add_option("--eta", o.eta, "asha: the best 1/eta of a rung go on to the next, eta times longer")
       ->capture_default_str();
@@ -505,11 +506,10 @@ void add_sweep_options(CLI::App& app, SweepOptions& o) {
   app.add_option("train", o.train_args, "-- dtrain train options every trial gets (e.g. -- --model mlp --steps 400)");
 }
 
-int run_sweep(const CLI::App& app, const SweepOptions& o) {
+int run_sweep(const CLI::App& app, const SweepOptions& options) {
+  SweepOptions o = options;
   DT_CHECK(o.dir.empty() != o.resume.empty(), "sweep",
            "give --dir DIR for a new sweep or --resume DIR to continue one (not both)");
-  DT_CHECK(o.parallel >= 1 && o.parallel <= 256, "sweep", "--parallel {} not in [1, 256]", o.parallel);
-  DT_CHECK(o.retries >= 0, "sweep", "--retries {} must be non-negative", o.retries);
   const bool resume = !o.resume.empty();
   const std::string dir = resume ? o.resume : o.dir;
   nlohmann::json stored;
@@ -518,12 +518,21 @@ int run_sweep(const CLI::App& app, const SweepOptions& o) {
     bool missing = false;
     stored = read_json(dir + "/sweep.json", &missing);
     DT_CHECK(!missing, "sweep", "--resume {}: no sweep there ({}/sweep.json is missing)", dir, dir);
+    // How it ran (not the search): the resumed sweep runs alike unless told otherwise.
+    if (stored.is_object() && stored.contains("run")) {
+      const nlohmann::json run = stored["run"];
+      stored.erase("run");
+      if (app.count("--parallel") == 0 && run.contains("parallel")) o.parallel = run["parallel"].get<int>();
+      if (app.count("--retries") == 0 && run.contains("retries")) o.retries = run["retries"].get<int>();
+    }
     try {
       base = train::sweep_spec_from_json(stored);
     } catch (const Error& e) {
       DT_THROW("sweep", "--resume {}: {}/sweep.json: {}", dir, dir, e.message());
     }
   }
+  DT_CHECK(o.parallel >= 1 && o.parallel <= 256, "sweep", "--parallel {} not in [1, 256]", o.parallel);
+  DT_CHECK(o.retries >= 0, "sweep", "--retries {} must be non-negative", o.retries);
   // Everything is checked before the directory is touched or any trial starts.
   const SweepPlan plan = train::plan_sweep(build_spec(base, app, o));
   const nlohmann::json search = train::sweep_spec_json(plan.spec);
@@ -541,11 +550,13 @@ int run_sweep(const CLI::App& app, const SweepOptions& o) {
     DT_CHECK(!fs::exists(dir + "/sweep.json"), "sweep",
              "--dir {} holds a sweep already: continue it with --resume {} (or choose another --dir)", dir, dir);
     for (const auto& entry : fs::directory_iterator(dir)) {
-      DT_CHECK(entry.path().filename() == ".lock", "sweep", "--dir {}: not empty ({}); a new sweep starts in an empty one",
-               dir, entry.path().filename().string());
+      DT_CHECK(entry.path().filename() == ".lock", "sweep",
+               "--dir {}: not empty ({}); a new sweep starts in an empty one", dir, entry.path().filename().string());
     }
-    write_file_atomic(dir + "/sweep.json", search.dump(1) + "\n", "sweep");
   }
+  nlohmann::json manifest = search;
+  manifest["run"] = {{"parallel", o.parallel}, {"retries", o.retries}};
+  write_file_atomic(dir + "/sweep.json", manifest.dump(1) + "\n", "sweep");
   std::fprintf(stderr, "dtrain sweep: %s, %zu trials%s, %s %s, %d at a time, in %s\n",
                train::strategy_name(plan.spec.strategy), plan.trials.size(),
                plan.rungs.size() > 1 ? fmt::format(", rungs of {} steps", fmt::join(plan.rungs, "/")).c_str() : "",

@@ -11,12 +11,11 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace dtrain::train {
 
@@ -29,7 +28,7 @@ struct SweepAxis {
   std::vector<std::string> values;  // a list of values (flag text each); empty for a range
   double min = 0.0, max = 0.0;      // a range [min, max], sampled uniformly, or log-uniformly (log)
   bool log = false;
-  int64_t points = 0;  // > 0: the range is that many evenly (log: geometrically) spaced values, ends included
+  int64_t points = 0;    // > 0: the range is that many evenly (log: geometrically) spaced values, ends included
   bool integer = false;  // the option takes integers: a range's values are rounded (set by plan_sweep)
   bool discrete() const { return !values.empty() || points > 0; }
 };
@@ -41,14 +40,14 @@ enum class SweepStrategy { grid, random, asha };
 struct SweepSpec {
   SweepStrategy strategy = SweepStrategy::grid;
   std::vector<SweepAxis> space;
-  OptionValues train;         // options every trial gets, in the train option table's order
-  int64_t trials = 0;         // random, asha: how many (0: every point of a discrete space)
-  uint64_t seed = 0;          // the sampling seed (the trials' own --seed is an option like any other)
-  std::string metric;         // a figure of the trials' final metrics record; empty: the model's
-  std::string mode;           // min | max; empty: the metric's own direction
-  int64_t min_steps = 0;      // asha: the first rung's budget (0: max_steps / eta^3, at least 1)
-  int64_t max_steps = 0;      // asha: the last rung's budget (0: the train options' --steps)
-  int64_t eta = 3;            // asha: the best 1/eta of a rung's trials go on to the next rung
+  OptionValues train;     // options every trial gets, in the train option table's order
+  int64_t trials = 0;     // random, asha: how many (0: every point of a discrete space)
+  uint64_t seed = 0;      // the sampling seed (the trials' own --seed is an option like any other)
+  std::string metric;     // a figure of the trials' final metrics record; empty: the model's
+  std::string mode;       // min | max; empty: the metric's own direction
+  int64_t min_steps = 0;  // asha: the first rung's budget (0: the largest divisor of max_steps up to max_steps / eta^3)
+  int64_t max_steps = 0;  // asha: the last rung's budget (0: the train options' --steps)
+  int64_t eta = 3;        // asha: the best 1/eta of a rung's trials go on to the next rung
   int64_t checkpoint_every = 0;  // steps between a trial's checkpoints (0: asha the rungs' common
                                  // divisor; grid, random a quarter of the trial's --steps)
 };
