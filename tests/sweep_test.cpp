@@ -228,6 +228,9 @@ TEST(SweepPlanChecks, BadInputIsRefusedBeforeAnyTrial) {
   s.mode = "";
   s.trials = 3;
   EXPECT_NE(error_of([&] { plan_sweep(s); }).find("grid runs every one of the 2 points"), std::string::npos);
+  s.trials = -1;
+  EXPECT_NE(error_of([&] { plan_sweep(s); }).find("expected non-negative numbers"), std::string::npos);
+  s.trials = 0;
   SweepSpec cont = grid_spec({"lr=log:1e-4:1e-1"});
   EXPECT_NE(error_of([&] { plan_sweep(cont); }).find("grid needs a value list"), std::string::npos);
 }

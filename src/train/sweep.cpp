@@ -478,6 +478,9 @@ std::vector<int64_t> asha_rungs(int64_t min_steps, int64_t max_steps, int64_t et
 SweepPlan plan_sweep(SweepSpec spec) {
   const bool asha = spec.strategy == SweepStrategy::asha;
   DT_CHECK(!spec.space.empty(), "sweep", "the search space is empty: give --param NAME=VALUES or a [space] table");
+  DT_CHECK(spec.trials >= 0 && spec.min_steps >= 0 && spec.max_steps >= 0 && spec.checkpoint_every >= 0, "sweep",
+           "--trials {}, --min-steps {}, --max-steps {}, --checkpoint-every {}: expected non-negative numbers",
+           spec.trials, spec.min_steps, spec.max_steps, spec.checkpoint_every);
   // The fixed options: none of those the sweep sets itself.
   for (const auto& [name, text] : spec.train) {
     DT_CHECK(reserved_options().count(name) == 0, "sweep",
