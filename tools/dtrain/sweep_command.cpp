@@ -534,12 +534,28 @@ int run_sweep(const CLI::App& app, const SweepOptions& options) {
   DT_CHECK(o.parallel >= 1 && o.parallel <= 256, "sweep", "--parallel {} not in [1, 256]", o.parallel);
   DT_CHECK(o.retries >= 0, "sweep", "--retries {} must be non-negative", o.retries);
   // Everything is checked before the directory is touched or any trial starts.
-  const SweepPlan plan = train::plan_sweep(build_spec(base, app, o));
+  const train::SweepSpec spec = build_spec(base, app, o);
+  if (resume) {
+    // Options given with --resume must describe the stored search. Named as given (before the
+    // plan, whose own errors would not say that the search differs), unless they only spell it
+    // another way (1e-3 for 0.001): then the plans are equal.
+    const std::vector<std::string> diff = train::sweep_differences(stored, train::sweep_spec_json(spec));
+    bool same = diff.empty();
+    if (!same) {
+      try {
+        same = train::sweep_spec_json(train::plan_sweep(spec).spec) == stored;
+      } catch (const Error&) {
+        same = false;
+      }
+    }
+    DT_CHECK(same, "sweep", "--resume {}: the sweep there is another search ({}: there vs here): {}", dir, dir,
+             fmt::join(diff, "; "));
+  }
+  const SweepPlan plan = train::plan_sweep(spec);
   const nlohmann::json search = train::sweep_spec_json(plan.spec);
   if (resume) {
-    const std::vector<std::string> diff = train::sweep_differences(stored, search);
-    DT_CHECK(diff.empty(), "sweep", "--resume {}: the sweep there is another search ({}: there vs here): {}", dir, dir,
-             fmt::join(diff, "; "));
+    DT_CHECK(search == stored, "sweep", "--resume {}: the sweep there is another search ({}: there vs here): {}", dir,
+             dir, fmt::join(train::sweep_differences(stored, search), "; "));
   } else {
     std::error_code ec;
     fs::create_directories(dir, ec);
