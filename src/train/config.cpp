@@ -11,6 +11,7 @@
 #include <variant>
 
 #include <CLI/CLI.hpp>
+#include <fmt/ranges.h>
 #include <toml++/toml.h>
 
 #include "dtrain/comm/mpi.h"
@@ -199,6 +200,47 @@ void assign(const Target& target, const toml::node& node, const std::string& whe
 }
 
 }  // namespace
+
+std::vector<OptionInfo> train_options() {
+  TrainConfig scratch;
+  std::vector<OptionInfo> out;
+  for (const auto& spec : option_table(scratch)) {
+    const OptionKind kind = std::visit(
+        [](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, std::string>) return OptionKind::text;
+          if constexpr (std::is_same_v<T, bool>) return OptionKind::boolean;
+          if constexpr (std::is_floating_point_v<T>) return OptionKind::number;
+          if constexpr (std::is_same_v<T, std::vector<int64_t>>) return OptionKind::integer_list;
+          return OptionKind::integer;
+        },
+        spec.target);
+    out.push_back({spec.name, kind});
+  }
+  return out;
+}
+
+std::string option_text(const TrainConfig& cfg, const std::string& name) {
+  TrainConfig c = cfg;  // the table binds mutable fields
+  for (const auto& spec : option_table(c)) {
+    if (name != spec.name) continue;
+    return std::visit(
+        [](auto* p) -> std::string {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            return *p;
+          } else if constexpr (std::is_same_v<T, bool>) {
+            return *p ? "true" : "false";
+          } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+            return fmt::format("{}", fmt::join(*p, ","));
+          } else {
+            return fmt::format("{}", *p);  // floats: the shortest text that reads back to the same value
+          }
+        },
+        spec.target);
+  }
+  DT_THROW("config", "unknown option '{}'", name);
+}
 
 int64_t model_blocks(const TrainConfig& c) {
   return c.model == "gpt" ? c.layers + 2 : static_cast<int64_t>(c.hidden.size()) + 1;

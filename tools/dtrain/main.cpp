@@ -1,4 +1,4 @@
-// dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan.
+// dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan, sweep.
 #include <cstdio>
 #include <string>
 
@@ -8,6 +8,7 @@
 #include "bench_gemm.h"
 #include "commands.h"
 #include "plan_command.h"
+#include "sweep_command.h"
 #include "dtrain/comm/mpi.h"
 #include "dtrain/launch/launcher.h"
 #include "dtrain/core/error.h"
@@ -133,6 +134,10 @@ int main(int argc, char** argv) {
       "plan", "predict step time, memory per device and scaling efficiency of a layout, or search the best one");
   dtrain::tools::add_plan_options(*plan, plan_opts);
 
+  dtrain::tools::SweepOptions sweep_opts;
+  CLI::App* sweep = app.add_subcommand("sweep", "hyperparameter search over dtrain train options: grid, random, asha");
+  dtrain::tools::add_sweep_options(*sweep, sweep_opts);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -152,6 +157,7 @@ int main(int argc, char** argv) {
     if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
     if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
     if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts, std::vector<std::string>(argv, argv + argc));
+    if (sweep->parsed()) return dtrain::tools::run_sweep(*sweep, sweep_opts);
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
     std::fflush(stderr);

@@ -90,4 +90,16 @@ inline int world_size(const TrainConfig& cfg) { return cfg.dp * cfg.pp * cfg.tp;
 /// Blocks of the configured model (the units pipeline stages are cut between).
 int64_t model_blocks(const TrainConfig& cfg);
 
+/// What an option of the table takes, for tools that set options by name (dtrain sweep).
+enum class OptionKind { text, integer, number, boolean, integer_list };
+struct OptionInfo {
+  std::string name;  // as a flag, without the dashes: "weight-decay"
+  OptionKind kind;
+};
+/// Every option of the table, in its order (--config is not one of them).
+std::vector<OptionInfo> train_options();
+/// The value of option `name` in `cfg` as the text its flag takes back (`--NAME=TEXT`): numbers
+/// in their shortest exact form, true|false, lists comma separated. Throws for an unknown name.
+std::string option_text(const TrainConfig& cfg, const std::string& name);
+
 }  // namespace dtrain::train
