@@ -36,11 +36,16 @@
 #include <vector>
 
 #include "dtrain/comm/compress.h"
+#include "dtrain/comm/flight_record.h"
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm {
+
+namespace detail {
+struct GroupAccess;  // the comm library's internal view of a group
+}
 
 /// Transport choice: "shm" (every rank on one host), "tcp", "mpi" (Group::from_mpi sets it;
 /// every rank must be in MPI_COMM_WORLD), or "auto": shm when every rank
@@ -83,26 +88,6 @@ struct GroupOptions {
   /// Operations kept in the group's flight record (see Group::flight_record()).
   size_t flight_record_size = 256;
 };
-
-/// One operation in a group's flight record: the last `flight_record_size` operations, kept
-/// so that a failure can be explained afterwards (which call each rank was in, for how long).
-/// On the first failure in a process, every group's record is written to
-/// DTRAIN_FLIGHT_DIR/rank-R.json when that variable is set (dtrain launch sets it).
-struct FlightEntry {
-  enum class State : uint8_t { queued, running, done, failed };
-  uint64_t seq = 0;  // the collective (or point-to-point) sequence number on the group
-  std::string op;
-  bool collective = true;
-  size_t bytes = 0;  // payload per rank
-  int peer = -1;     // point to point: the peer; broadcast/reduce: the root
-  State state = State::queued;
-  /// A blocking collective that ran inline in the caller (the small-message latency path) is
-  /// recorded when it ends, with queued = started = its start and, when it succeeded,
-  /// finished = started too: its duration is not measured, to keep clock reads off that path.
-  Clock::time_point queued_at{}, started_at{}, finished_at{};
-  std::string error;
-};
-const char* name_of(FlightEntry::State s);
 
 /// The environment variables that carry this process's rank and world size, as the launcher
 /// that started it set them: RANK / WORLD_SIZE (dtrain launch, torchrun), Open MPI's
@@ -185,7 +170,7 @@ class Group {
   /// The same, with its own options (e.g. another algorithm or timeout) for the sub-group;
   /// an empty bind_address, secret or host_id is the parent's.
   Group split(int color, int key, const GroupOptions& options) const;
-  /// The last operations of this group, oldest first (see FlightEntry).
+  /// The last operations of this group, oldest first (flight_record.h).
   std::vector<FlightEntry> flight_record() const;
   /// What all_reduce of `bytes` bytes runs on this group: direct, hier, ring, hd or rd.
   Algorithm all_reduce_algorithm(size_t bytes) const;
@@ -281,6 +266,7 @@ class Group {
   struct Impl;
 
  private:
+  friend struct detail::GroupAccess;
   explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   Impl& impl(const char* op) const;  // throws for an empty group
   Work all_reduce_shared_impl(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
