@@ -16,10 +16,8 @@
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/reduce.h"
 #include "dtrain/comm/transport.h"
-#include "compress_collectives.h"
 #include "group_impl.h"
 #include "plan_common.h"
-#include "shm_segment.h"
 
 namespace dtrain::comm {
 // ---------------------------------------------------------------------------------- Impl
@@ -60,6 +58,14 @@ Work Group::Impl::run_direct(const std::string& op, bool blocking,
       op, blocking,
       [this, body = std::move(body)](uint64_t, Deadline deadline) { body(*transport->direct(), deadline); },
       bytes, root);
+}
+
+Work Group::Impl::submit(const std::string& op, bool blocking,
+                         std::function<void(Transport&, uint64_t, Deadline)> body, size_t bytes, int root) {
+  return executor->submit(
+      op, blocking,
+      [this, body = std::move(body)](uint64_t seq, Deadline deadline) { body(*transport, seq, deadline); }, bytes,
+      root);
 }
 
 std::string Group::Impl::describe_json() const {
@@ -206,36 +212,6 @@ Work p2p_impl(Impl& g, bool is_send, void* buffer, size_t count, DataType dtype,
   return g.executor->post(is_send, buffer, count * size_of(dtype), peer, tag, blocking);
 }
 
-bool overlaps(const float* a, size_t na, const float* b, size_t nb) {
-  if (na == 0 || nb == 0) return false;
-  const auto a0 = reinterpret_cast<uintptr_t>(a);
-  const auto b0 = reinterpret_cast<uintptr_t>(b);
-  return a0 < b0 + nb * sizeof(float) && b0 < a0 + na * sizeof(float);
-}
-
-// The compressed collectives (compress_collectives.cpp), checked here in the caller's thread
-// so that a bad argument raises without breaking the group.
-Work compressed_impl(Impl& g, detail::CompressedKind kind, const float* send, float* recv, size_t block_count,
-                     Codec codec, ReduceOp op, float* residual, CompressStats* stats, bool blocking) {
-  const bool all_reduce = kind == detail::CompressedKind::all_reduce;
-  const char* name = all_reduce ? "all_reduce_compressed" : "reduce_scatter_compressed";
-  DT_CHECK(op == ReduceOp::sum || op == ReduceOp::avg, "comm", "{}: op {} is not supported (sum or avg)", name,
-           name_of(op));
-  DT_CHECK(codec <= Codec::int4, "comm", "{}: unknown codec {}", name, static_cast<int>(codec));
-  const auto p = static_cast<size_t>(g.size);
-  const size_t total = all_reduce ? block_count : block_count * p;
-  DT_CHECK(!overlaps(residual, total, send, total) && !overlaps(residual, total, recv, block_count), "comm",
-           "{}: the residual buffer overlaps the send or recv buffer", name);
-  detail::CompressedCall call{kind, send, recv, {}, codec, op, residual, stats};
-  call.counts = all_reduce ? detail::even_counts(block_count, g.size) : std::vector<size_t>(p, block_count);
-  return g.executor->submit(
-      name, blocking,
-      [&g, call = std::move(call)](uint64_t seq, Deadline deadline) {
-        detail::execute_compressed(call, *g.transport, seq, deadline);
-      },
-      total * sizeof(float));
-}
-
 }  // namespace
 
 Impl& Group::impl(const char* op) const {
@@ -265,32 +241,6 @@ Work Group::send_async(const void* buffer, size_t count, DataType dtype, int pee
 
 Work Group::recv_async(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag) {
   return p2p_impl(impl("recv"), false, buffer, count, dtype, peer, tag, false);
-}
-
-Work Group::all_reduce_compressed_async(const float* send, float* recv, size_t count, Codec codec, ReduceOp op,
-                                        float* residual, CompressStats* stats) {
-  return compressed_impl(impl("all_reduce_compressed"), detail::CompressedKind::all_reduce, send, recv, count, codec,
-                         op, residual, stats, false);
-}
-
-Work Group::reduce_scatter_compressed_async(const float* send, float* recv, size_t recv_count, Codec codec, ReduceOp op,
-                                            float* residual, CompressStats* stats) {
-  return compressed_impl(impl("reduce_scatter_compressed"), detail::CompressedKind::reduce_scatter, send, recv,
-                         recv_count, codec, op, residual, stats, false);
-}
-
-void Group::all_reduce_compressed(const float* send, float* recv, size_t count, Codec codec, ReduceOp op,
-                                  float* residual, CompressStats* stats) {
-  compressed_impl(impl("all_reduce_compressed"), detail::CompressedKind::all_reduce, send, recv, count, codec, op,
-                  residual, stats, true)
-      .wait();
-}
-
-void Group::reduce_scatter_compressed(const float* send, float* recv, size_t recv_count, Codec codec, ReduceOp op,
-                                      float* residual, CompressStats* stats) {
-  compressed_impl(impl("reduce_scatter_compressed"), detail::CompressedKind::reduce_scatter, send, recv, recv_count,
-                  codec, op, residual, stats, true)
-      .wait();
 }
 
 void Group::all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
@@ -366,86 +316,6 @@ void Group::all_to_all(const void* send, void* recv, size_t count, DataType dtyp
   g.run_plan("all_to_all", plan_all_to_all(Algorithm::pairwise, rank(), size(), count), send, recv, dtype,
              ReduceOp::sum, true)
       .wait();
-}
-
-bool Group::can_share_memory() const {
-  Impl& g = impl("can_share_memory");
-  return g.kind == "shm" && g.transport->direct() != nullptr;
-}
-
-SharedMemory Group::allocate_shared(size_t bytes) {
-  Impl& g = impl("allocate_shared");
-  DT_CHECK(can_share_memory(), "comm",
-           "group '{}': allocate_shared needs every rank on one host over the shm transport, not {}", g.name, g.kind);
-  const std::string prefix = fmt::format("{}/mem{}", g.name, g.shared_allocations++);
-  auto mapping = std::make_shared<shm::Mapping>(
-      shm::share_mapping(*g.store, prefix, g.rank, g.size, bytes, g.options.timeout));
-  SharedMemory m;
-  m.data_ = mapping->data();
-  m.bytes_ = bytes;
-  m.mapping_ = std::move(mapping);
-  return m;
-}
-
-namespace {
-
-// The byte at which rank 0's vector of `bytes` starts in `memory`, after checking that every
-// rank's vector, `stride` bytes apart from `offset`, fits without overlapping.
-char* shared_vectors(const SharedMemory& memory, bool can_share, const std::string& group,
-                           const std::string& kind, const char* op, size_t offset, size_t stride, size_t bytes,
-                           int size) {
-  DT_CHECK(memory.valid() && can_share, "comm", "group '{}': {} needs memory from allocate_shared on a shm group ({})",
-           group, op, kind);
-  size_t span = 0, end = 0;
-  const bool wraps = __builtin_mul_overflow(static_cast<size_t>(size - 1), stride, &span) ||
-                     __builtin_add_overflow(span, offset, &end) || __builtin_add_overflow(end, bytes, &end);
-  DT_CHECK(!wraps && end <= memory.bytes() && (size == 1 || stride >= bytes), "comm",
-           "{}: vectors of {} bytes at offset {} every {} bytes do not fit {} bytes of shared memory without "
-           "overlapping", op, bytes, offset, stride, memory.bytes());
-  return memory.data() + offset;
-}
-
-}  // namespace
-
-Work Group::reduce_scatter_shared_async(const SharedMemory& memory, size_t offset, size_t stride, void* recv,
-                                        size_t recv_count, DataType dtype, ReduceOp op) {
-  Impl& g = impl("reduce_scatter_shared");
-  const size_t input = static_cast<size_t>(g.size) * recv_count * size_of(dtype);
-  const char* inputs = shared_vectors(memory, can_share_memory(), g.name, g.kind, "reduce_scatter_shared", offset,
-                                      stride, input, g.size);
-  return g.run_direct(
-      "reduce_scatter_shared", false,
-      [=, keep = memory.keep_alive()](DirectCollectives& d, Deadline deadline) {
-        d.reduce_scatter_mapped(inputs, stride, recv, recv_count, dtype, op, deadline);
-      },
-      input);
-}
-
-Work Group::all_reduce_shared_impl(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
-                                   DataType dtype, ReduceOp op, bool blocking) {
-  Impl& g = impl("all_reduce_shared");
-  size_t bytes = 0;
-  DT_CHECK(!__builtin_mul_overflow(count, size_of(dtype), &bytes), "comm", "all_reduce_shared: {} elements of {} overflow",
-           count, name_of(dtype));
-  char* vectors = shared_vectors(memory, can_share_memory(), g.name, g.kind, "all_reduce_shared", offset, stride,
-                                 bytes, g.size);
-  return g.run_direct(
-      "all_reduce_shared", blocking,
-      [=, keep = memory.keep_alive()](DirectCollectives& d, Deadline deadline) {
-        d.all_reduce_mapped(vectors, stride, count, dtype, op, deadline);
-      },
-      bytes);
-}
-
-Work Group::all_reduce_shared_async(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
-                                    DataType dtype, ReduceOp op) {
-  return all_reduce_shared_impl(memory, offset, stride, count, dtype, op, false);
-}
-
-void Group::all_reduce_shared(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
-                              ReduceOp op) {
-  // Blocking: runs on the caller's thread when nothing is queued, like the blocking all_reduce.
-  all_reduce_shared_impl(memory, offset, stride, count, dtype, op, true).wait();
 }
 
 void Group::barrier() {

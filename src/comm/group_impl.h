@@ -78,6 +78,13 @@ struct Group::Impl {
   Work run_direct(const std::string& op, bool blocking, std::function<void(DirectCollectives&, Deadline)> body,
                   size_t bytes = 0, int root = -1);
 
+  /// The one entry point of the collectives outside the core API (compressed.h, shared.h):
+  /// runs body(transport, seq, deadline) as collective `op` under the group's ordering and
+  /// failure rules (blocking: inline when the group is idle). `bytes` and `root` are for the
+  /// flight record.
+  Work submit(const std::string& op, bool blocking, std::function<void(Transport&, uint64_t seq, Deadline)> body,
+              size_t bytes, int root = -1);
+
   // This group and its flight record as JSON (times in ms before now).
   std::string describe_json() const;
 };

@@ -28,8 +28,10 @@
 #include "commands.h"
 #include "dtrain/core/file.h"
 #include "dtrain/comm/compress.h"
+#include "dtrain/comm/compressed.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/reduce.h"
+#include "dtrain/comm/shared.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/half.h"
 
@@ -163,7 +165,7 @@ struct Case {
     recv.assign(in_shared ? 1 : std::max<size_t>(1, recv_elems * es), 0);  // shared: in place, no recv
     if (in_shared) {
       stride = (std::max<size_t>(1, count * es) + 4095) / 4096 * 4096;  // page-aligned vectors
-      shared = group.allocate_shared(stride * p);
+      shared = comm::allocate_shared(group, stride * p);
       in = shared.data() + stride * static_cast<size_t>(group.rank());
     } else {
       send.assign(std::max<size_t>(1, send_elems * es), 0);
@@ -200,16 +202,17 @@ struct Case {
     if (codec) {
       const auto* src = reinterpret_cast<const float*>(in);
       if (op == Op::allreduce) {
-        g->all_reduce_compressed(src, static_cast<float*>(out()), count, *codec, redop, nullptr, &stats);
+        comm::all_reduce_compressed(*g, src, static_cast<float*>(out()), count, *codec, redop, nullptr, &stats);
       } else {
-        g->reduce_scatter_compressed(src, reinterpret_cast<float*>(recv.data()), block, *codec, redop, nullptr, &stats);
+        comm::reduce_scatter_compressed(*g, src, reinterpret_cast<float*>(recv.data()), block, *codec, redop, nullptr,
+                                        &stats);
       }
       return;
     }
     switch (op) {
       case Op::allreduce:
         if (shared.valid()) {
-          g->all_reduce_shared(shared, 0, stride, count, dtype, redop);
+          comm::all_reduce_shared(*g, shared, 0, stride, count, dtype, redop);
         } else {
           g->all_reduce(in, out(), count, dtype, redop);
         }

@@ -56,27 +56,25 @@ class DirectCollectives {
                               Deadline deadline) = 0;
   /// Synchronisation only.
   virtual void barrier(Deadline deadline) = 0;
+};
+
+/// Collectives over memory that every rank of the group maps (shared.h, allocate_shared): only
+/// a transport whose ranks share memory has them (Transport::mapped()). Rules as for
+/// DirectCollectives.
+class MappedCollectives {
+ public:
+  virtual ~MappedCollectives() = default;
   /// reduce_scatter without a copy in: rank q's input (size() * count elements) lies at
-  /// inputs + q * stride bytes, memory every rank maps (Group::allocate_shared). Returns when
-  /// every rank has read its block from every input, so they may be reused then.
-  /// Transports without shared memory throw TransportError(protocol).
+  /// inputs + q * stride bytes. Returns when every rank has read its block from every input,
+  /// so they may be reused then.
   virtual void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
-                                     ReduceOp op, Deadline deadline) {
-    (void)inputs, (void)stride, (void)output, (void)count, (void)dtype, (void)op, (void)deadline;
-    throw TransportError(TransportError::Kind::protocol, {}, "this transport has no shared memory", __FILE__,
-                         __LINE__);
-  }
+                                     ReduceOp op, Deadline deadline) = 0;
   /// all_reduce in place without a copy in or out: rank q's vector (count elements) lies at
-  /// vectors + q * stride bytes, memory every rank maps. Each rank reduces its slice straight
-  /// from every vector, in rank order, and writes the result into every vector. Returns when
-  /// every vector holds the whole result and nobody reads or writes them any more.
-  /// Transports without shared memory throw TransportError(protocol).
+  /// vectors + q * stride bytes. Each rank reduces its slice straight from every vector, in
+  /// rank order, and writes the result into every vector. Returns when every vector holds the
+  /// whole result and nobody reads or writes them any more.
   virtual void all_reduce_mapped(char* vectors, size_t stride, size_t count, DataType dtype, ReduceOp op,
-                                 Deadline deadline) {
-    (void)vectors, (void)stride, (void)count, (void)dtype, (void)op, (void)deadline;
-    throw TransportError(TransportError::Kind::protocol, {}, "this transport has no shared memory", __FILE__,
-                         __LINE__);
-  }
+                                 Deadline deadline) = 0;
 };
 
 class Transport {
@@ -105,6 +103,8 @@ class Transport {
   virtual void abort(const std::string& reason) = 0;
   /// The transport's native collectives, or nullptr when it has none.
   virtual DirectCollectives* direct() { return nullptr; }
+  /// Its collectives over memory every rank maps, or nullptr when its ranks share none.
+  virtual MappedCollectives* mapped() { return nullptr; }
 };
 
 class Store;
