@@ -433,7 +433,7 @@ class CompressCollectives : public ::testing::TestWithParam<CollParam> {
  protected:
   GroupOptions options() const {
     GroupOptions o = test_util::quick_options();
-    o.transport = GetParam().transport;
+    o.transport = parse_transport(GetParam().transport);
     o.secret = "cee54bc46f20de5332ef2051a994940f9e62f4e6397828ade51e654f7081ed71";
     return o;
   }
@@ -444,7 +444,7 @@ TEST_P(CompressCollectives, AllReduceWithinTheDerivedBoundAndIdenticalOnEveryRan
   run_ranks(
       p,
       [&](Group& g) {
-        ASSERT_EQ(g.transport_kind(), GetParam().transport);
+        ASSERT_EQ(name_of(g.transport_kind()), GetParam().transport);
         const int r = g.rank();
         uint64_t salt = 0;
         for (Codec c : kCodecs) {
@@ -683,7 +683,7 @@ TEST(CompressCollectiveFeedback, RunningSumOfResultsTracksTheExactSumOverSteps) 
 TEST(CompressCollectiveErrors, RanksWithDifferentCodecsFailInsteadOfMisdecoding) {
   GroupOptions opts = test_util::quick_options();
   opts.timeout = std::chrono::milliseconds(3000);
-  opts.transport = "shm";
+  opts.transport = TransportKind::shm;
   std::atomic<int> raised{0};
   run_ranks(
       2,

@@ -43,7 +43,7 @@ class FakeTransport : public Transport {
 
   int rank() const override { return 0; }
   int size() const override { return 3; }
-  const char* kind() const override { return "fake"; }
+  TransportKind kind() const override { return TransportKind::none; }
 
   RequestId post_send(int peer, uint64_t tag, const void*, size_t bytes) override { return post(true, peer, tag, bytes); }
   RequestId post_recv(int peer, uint64_t tag, void*, size_t bytes) override { return post(false, peer, tag, bytes); }

@@ -222,7 +222,7 @@ TEST(SharedMemory, MisuseIsNamed) {
   });
   // Over tcp there is nothing to share.
   GroupOptions tcp = quick_options();
-  tcp.transport = "tcp";
+  tcp.transport = TransportKind::tcp;
   tcp.secret = "40794539e77bf0427a0e28a929244e1e50b155ab2ea59b980615f8226dae97e5";
   run_ranks(
       2,

@@ -68,8 +68,8 @@ bool set_and_not_empty(const std::optional<std::string>& v) { return v.has_value
 // A group's options with the environment applied, and what the transports need beside them.
 struct Setup {
   /// The caller's options, the algorithm resolved (DTRAIN_ALGO while automatic) and the
-  /// transport too (DTRAIN_TRANSPORT while "auto"; "auto" itself is resolved at the meeting,
-  /// once the hosts are known). What Group::options() returns.
+  /// transport too (DTRAIN_TRANSPORT while automatic; automatic itself is resolved at the
+  /// meeting, once the hosts are known). What Group::options() returns.
   GroupOptions options;
   std::string host;                // this rank's host identity
   std::string secret;              // tcp: the job secret, "" when neither option nor variable has one
@@ -84,14 +84,14 @@ std::string host_name() {
 
 Setup resolve(GroupOptions options, const Environment& env) {
   if (options.algorithm == Algorithm::automatic && env.algo) options.algorithm = parse_algorithm(*env.algo);
-  if (options.transport == "auto" && set_and_not_empty(env.transport)) {
-    options.transport = *env.transport;
-    DT_CHECK(options.transport == "auto" || options.transport == "shm" || options.transport == "tcp", "comm",
-             "DTRAIN_TRANSPORT='{}': expected auto, shm or tcp", options.transport);
+  if (options.transport == TransportKind::automatic && set_and_not_empty(env.transport)) {
+    const std::string& text = *env.transport;
+    DT_CHECK(text == "auto" || text == "shm" || text == "tcp", "comm",
+             "DTRAIN_TRANSPORT='{}': expected auto, shm or tcp", text);
+    options.transport = parse_transport(text);
   }
-  DT_CHECK(options.transport == "auto" || options.transport == "shm" || options.transport == "tcp" ||
-               options.transport == "mpi",
-           "comm", "transport '{}': expected auto, shm, tcp or mpi", options.transport);
+  DT_CHECK(options.transport != TransportKind::none, "comm", "transport '{}': expected auto, shm, tcp or mpi",
+           name_of(options.transport));
   Setup s;
   if (!options.host_id.empty()) {
     s.host = options.host_id;
@@ -115,8 +115,9 @@ Setup resolve(GroupOptions options, const Environment& env) {
 
 // Ranks that chose different transports would each wait for the other at the rendezvous until
 // the timeout; compare the choices first and name the odd one out.
-void check_same_choice(Store& store, const std::string& name, int rank, int size, const std::string& kind,
+void check_same_choice(Store& store, const std::string& name, int rank, int size, TransportKind choice,
                        Duration timeout) {
+  const std::string kind = name_of(choice);
   store.set(fmt::format("{}/transport/{}", name, rank), kind);
   for (int r = 0; r < size; ++r) {
     const std::string theirs = store.get(fmt::format("{}/transport/{}", name, r), timeout);
@@ -175,14 +176,14 @@ Group create_group(std::shared_ptr<Store> store, int rank, int size, GroupOption
 
   // Which transport: shared memory when every rank runs on this host, TCP otherwise.
   const HostMap hosts = meet_hosts(*store, name, rank, size, setup.host, options.timeout);
-  const std::string kind =
-      options.transport == "auto" ? (hosts.same_host ? "shm" : "tcp") : options.transport;
-  DT_CHECK(!(kind == "shm" && !hosts.same_host), "comm", "group '{}': transport shm needs every rank on one host",
-           name);
+  TransportKind kind = options.transport;
+  if (kind == TransportKind::automatic) kind = hosts.same_host ? TransportKind::shm : TransportKind::tcp;
+  DT_CHECK(!(kind == TransportKind::shm && !hosts.same_host), "comm",
+           "group '{}': transport shm needs every rank on one host", name);
   check_same_choice(*store, name, rank, size, kind, options.timeout);
-  if (kind == "shm") {
+  if (kind == TransportKind::shm) {
     impl->transport = make_shm_transport(*store, name, rank, size, options.timeout, options.spin);
-  } else if (kind == "mpi") {
+  } else if (kind == TransportKind::mpi) {
     impl->transport = make_mpi_transport(*store, name, rank, size, options.timeout);
   } else {
     DT_CHECK(!setup.secret.empty(), "comm",
@@ -204,7 +205,7 @@ Group create_group(std::shared_ptr<Store> store, int rank, int size, GroupOption
   }
   DT_CHECK(options.algorithm != Algorithm::direct || impl->transport->direct() != nullptr, "comm",
            "group '{}': algorithm 'direct' needs a transport with native collectives (shm), not {}", name,
-           impl->transport->kind());
+           name_of(impl->transport->kind()));
   impl->kind = impl->transport->kind();
   impl->recorder = std::make_shared<detail::FlightRecorder>(options.flight_record_size);
   Group::Impl* raw = impl.get();
@@ -344,7 +345,7 @@ Group Group::from_mpi(GroupOptions options) {
   if (options.heartbeat_timeout > Duration::zero() && !options.heartbeat_store) {
     options.heartbeat_store = connect_tcp_store(host, port, secret, std::max(options.heartbeat_timeout, Duration(1000)));
   }
-  options.transport = "mpi";
+  options.transport = TransportKind::mpi;
   options.secret = secret;
   Group g = create_group(store, world.rank, world.size, options, "world", env);
   g.impl_->keep_alive = server;

@@ -69,7 +69,7 @@ Work Group::Impl::submit(const std::string& op, bool blocking,
 }
 
 std::string Group::Impl::describe_json() const {
-  return detail::flight_record_json(name, rank, size, kind, recorder->entries());
+  return detail::flight_record_json(name, rank, size, name_of(kind), recorder->entries());
 }
 
 namespace {
@@ -82,10 +82,7 @@ void check_root(int root, int size, const char* op) {
 
 int Group::rank() const { return impl_ ? impl_->rank : -1; }
 int Group::size() const { return impl_ ? impl_->size : 0; }
-const std::string& Group::transport_kind() const {
-  static const std::string none = "none";
-  return impl_ ? impl_->kind : none;
-}
+TransportKind Group::transport_kind() const { return impl_ ? impl_->kind : TransportKind::none; }
 
 const GroupOptions& Group::options() const { return impl("options").options; }
 

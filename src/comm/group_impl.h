@@ -27,7 +27,7 @@ struct Group::Impl {
   std::shared_ptr<Store> store;
   std::shared_ptr<void> keep_alive;  // e.g. the store server hosted by rank 0
   std::unique_ptr<Transport> transport;
-  std::string kind;
+  TransportKind kind = TransportKind::none;
   uint64_t splits = 0;
   uint64_t shared_allocations = 0;
 

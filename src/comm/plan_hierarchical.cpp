@@ -51,10 +51,10 @@ void HierarchicalAllReduce::ensure_groups() {
   GroupOptions sub = options_;
   sub.heartbeat_timeout = Duration::zero();  // this group's processes are covered already
   sub.heartbeat_store = nullptr;
-  sub.transport = "shm";
+  sub.transport = TransportKind::shm;
   sub.algorithm = Algorithm::direct;
   Group local = Group::create(store_, h.local_rank, h.local_size, sub, fmt::format("{}/hier/host{}", group_, h.host));
-  sub.transport = "tcp";
+  sub.transport = TransportKind::tcp;
   // The ring between hosts: one stream per link and direction. Halving-doubling (auto's
   // choice for the pieces of 512 KiB segments) ran both local ranks' exchanges at once over
   // the same rate-limited links and stalled on retransmissions (4 MiB: 113 ms, p99 283 ms,

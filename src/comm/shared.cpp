@@ -19,7 +19,8 @@ bool can_share(const Group::Impl& g) { return g.transport->mapped() != nullptr; 
 char* shared_vectors(const SharedMemory& memory, const Group::Impl& g, const char* op, size_t offset, size_t stride,
                      size_t bytes) {
   DT_CHECK(memory.valid() && can_share(g), "comm",
-           "group '{}': {} needs memory from allocate_shared on a shm group ({})", g.name, op, g.kind);
+           "group '{}': {} needs memory from allocate_shared on a shm group ({})", g.name, op,
+           name_of(g.kind));
   size_t span = 0, end = 0;
   const bool wraps = __builtin_mul_overflow(static_cast<size_t>(g.size - 1), stride, &span) ||
                      __builtin_add_overflow(span, offset, &end) || __builtin_add_overflow(end, bytes, &end);
@@ -52,7 +53,8 @@ bool can_share_memory(const Group& group) { return can_share(detail::GroupAccess
 SharedMemory allocate_shared(Group& group, size_t bytes) {
   Group::Impl& g = detail::GroupAccess::impl(group, "allocate_shared");
   DT_CHECK(can_share(g), "comm",
-           "group '{}': allocate_shared needs every rank on one host over the shm transport, not {}", g.name, g.kind);
+           "group '{}': allocate_shared needs every rank on one host over the shm transport, not {}", g.name,
+           name_of(g.kind));
   const std::string prefix = fmt::format("{}/mem{}", g.name, g.shared_allocations++);
   auto mapping =
       std::make_shared<shm::Mapping>(shm::share_mapping(*g.store, prefix, g.rank, g.size, bytes, g.options.timeout));

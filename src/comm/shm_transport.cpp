@@ -130,7 +130,7 @@ class ShmTransport final : public Transport {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  const char* kind() const override { return "shm"; }
+  TransportKind kind() const override { return TransportKind::shm; }
   DirectCollectives* direct() override { return &collectives_; }
   MappedCollectives* mapped() override { return &collectives_; }
 

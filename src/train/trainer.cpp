@@ -610,7 +610,7 @@ TrainResult run_training(const TrainConfig& requested) {
     if (cfg.backend == "mpi") {
       group = std::make_unique<comm::Group>(comm::Group::from_mpi(options));
     } else {
-      options.transport = cfg.backend;
+      options.transport = comm::parse_transport(cfg.backend);
       group = std::make_unique<comm::Group>(comm::Group::from_env(options));
     }
     DT_CHECK(group->size() == world, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the {} started {} ({})", cfg.dp,

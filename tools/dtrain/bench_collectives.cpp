@@ -496,7 +496,7 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, Op op, const std::string
                const std::vector<size_t>& sizes, const Machine& m, nlohmann::json& rows) {
   comm::GroupOptions sub;
   sub.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
-  sub.transport = o.transport;
+  sub.transport = comm::parse_transport(o.transport);
   sub.algorithm = algo;
   Group g = world.split(0, world.rank(), sub);
   const int rank = g.rank(), p = g.size();
@@ -658,8 +658,8 @@ int worker(const CollBenchOptions& o) {
 
   comm::GroupOptions gopts;
   gopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
-  gopts.transport = o.transport;
-  Group world = o.transport == "mpi" ? Group::from_mpi(gopts) : Group::from_env(gopts);
+  gopts.transport = comm::parse_transport(o.transport);
+  Group world = gopts.transport == comm::TransportKind::mpi ? Group::from_mpi(gopts) : Group::from_env(gopts);
   const int rank = world.rank(), p = world.size();
 
   Machine m;
@@ -679,7 +679,7 @@ int worker(const CollBenchOptions& o) {
   doc["tool"] = "dtrain";
   doc["op"] = o.op;
   doc["world"] = p;
-  doc["transport"] = world.transport_kind();
+  doc["transport"] = comm::name_of(world.transport_kind());
   doc["dtype"] = o.dtype;
   doc["redop"] = o.redop;
   if (!o.compress.empty()) doc["compress"] = o.compress;
@@ -692,11 +692,11 @@ int worker(const CollBenchOptions& o) {
   doc["rows"] = nlohmann::json::array();
   if (rank == 0) {
     std::printf("# dtrain bench collectives: %d ranks, transport %s, %d iters (%d warm-up), time = slowest rank\n", p,
-                world.transport_kind().c_str(), o.iters, o.warmup);
+                comm::name_of(world.transport_kind()), o.iters, o.warmup);
     std::printf("# memcpy (one core): %.2f GB/s; bus/cpy = busbw as a fraction of it\n", m.copy_gbs);
     if (m.model) {
       std::printf("# ping-pong rank 0 <-> 1 (%s): alpha %.2f us, beta %.4f ns/B (%.2f GB/s); reduce gamma %.4f ns/B\n",
-                  world.transport_kind().c_str(), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
+                  comm::name_of(world.transport_kind()), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
       for (auto [b, t] : m.pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
       doc["alpha_us"] = m.pp.alpha * 1e6;
       doc["beta_ns_per_byte"] = m.pp.beta * 1e9;

@@ -41,6 +41,7 @@
 #include "dtrain/comm/flight_record.h"
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/store.h"
+#include "dtrain/comm/transport.h"
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm {
@@ -49,9 +50,9 @@ namespace detail {
 struct GroupAccess;  // the comm library's internal view of a group
 }
 
-/// Transport choice: "shm" (every rank on one host), "tcp", "mpi" (Group::from_mpi sets it;
-/// every rank must be in MPI_COMM_WORLD), or "auto": shm when every rank
-/// runs on this host, tcp otherwise. While `transport` is "auto", the environment variable
+/// Transport choice (transport.h): shm (every rank on one host), tcp, mpi (Group::from_mpi
+/// sets it; every rank must be in MPI_COMM_WORLD), or automatic: shm when every rank runs on
+/// this host, tcp otherwise. While `transport` is automatic, the environment variable
 /// DTRAIN_TRANSPORT=shm|tcp|auto decides instead. Every rank must end up with the same choice
 /// (checked: a mismatch raises naming both ranks).
 ///
@@ -61,11 +62,11 @@ struct GroupAccess;  // the comm library's internal view of a group
 /// (a wildcard 0.0.0.0 or :: publishes this host's name instead). Every connection is
 /// authenticated with `secret`, the job secret ("" means DTRAIN_SECRET).
 struct GroupOptions {
-  Duration timeout = std::chrono::minutes(5);  // default for blocking calls and Work::wait()
-  std::string transport = "auto";              // auto | shm | tcp | mpi (see above; also DTRAIN_TRANSPORT)
-  Algorithm algorithm = Algorithm::automatic;  // overrides the per-size choice (also DTRAIN_ALGO)
-  std::string bind_address;                    // tcp: address to listen on and publish; "" = 127.0.0.1
-  std::string secret;                          // tcp: the job secret; "" = DTRAIN_SECRET
+  Duration timeout = std::chrono::minutes(5);         // default for blocking calls and Work::wait()
+  TransportKind transport = TransportKind::automatic;  // see above (also DTRAIN_TRANSPORT)
+  Algorithm algorithm = Algorithm::automatic;         // overrides the per-size choice (also DTRAIN_ALGO)
+  std::string bind_address;                           // tcp: address to listen on and publish; "" = 127.0.0.1
+  std::string secret;                                 // tcp: the job secret; "" = DTRAIN_SECRET
   /// Which host this rank is on, as far as transports and the hierarchy go: ranks with equal
   /// ids share memory. "" = DTRAIN_HOST_ID if set, else the host name and boot id. Tests set
   /// it to run several "hosts" as threads of one process; a group with it set may then use
@@ -143,7 +144,8 @@ class Group {
   Group() = default;
   int rank() const;
   int size() const;
-  const std::string& transport_kind() const;
+  /// The transport it runs over (never automatic); TransportKind::none for an empty group.
+  TransportKind transport_kind() const;
   /// The options this group was created with (a split without options inherits them).
   const GroupOptions& options() const;
   /// Collective: ranks with the same color form a sub-group ordered by (key, rank). A

@@ -37,6 +37,14 @@ class TransportError : public Error {
 
 using RequestId = uint64_t;
 
+/// The transports a group can run over. `automatic` is a request only (GroupOptions): shm when
+/// every rank is on one host, tcp otherwise; `none` is the kind of an empty Group.
+enum class TransportKind : uint8_t { automatic, shm, tcp, mpi, none };
+/// "auto", "shm", "tcp", "mpi", "none".
+const char* name_of(TransportKind kind);
+/// "auto", "shm", "tcp" or "mpi"; throws dtrain::Error naming the text.
+TransportKind parse_transport(const std::string& text);
+
 /// Collectives that a transport runs natively instead of through point-to-point messages:
 /// the shm transport reduces straight from the ranks' shared staging buffers (each byte is
 /// copied into shared memory once and read from there, with no per-hop copies). The result
@@ -82,8 +90,7 @@ class Transport {
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  /// "shm", "tcp", ... for messages and benchmarks.
-  virtual const char* kind() const = 0;
+  virtual TransportKind kind() const = 0;
 
   /// Queues a message of `bytes` bytes to `peer`. `data` must stay valid until a wait()
   /// covering this request returned.
