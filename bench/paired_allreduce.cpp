@@ -114,7 +114,7 @@ int run(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   dtrain::comm::GroupOptions go;
-  go.transport = "shm";
+  go.transport = dtrain::comm::TransportKind::shm;
   go.timeout = std::chrono::seconds(120);
   Group g = Group::create(dtrain::comm::make_file_store(o.store), rank, size, go, "paired");
   for (size_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= 2) {

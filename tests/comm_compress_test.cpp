@@ -23,6 +23,7 @@
 
 #include "comm_test_util.h"
 #include "dtrain/comm/compress.h"
+#include "dtrain/comm/compressed.h"
 #include "dtrain/comm/group.h"
 
 namespace dtrain::comm {
@@ -432,7 +433,7 @@ class CompressCollectives : public ::testing::TestWithParam<CollParam> {
  protected:
   GroupOptions options() const {
     GroupOptions o = test_util::quick_options();
-    o.transport = GetParam().transport;
+    o.transport = parse_transport(GetParam().transport);
     o.secret = "cee54bc46f20de5332ef2051a994940f9e62f4e6397828ade51e654f7081ed71";
     return o;
   }
@@ -443,7 +444,7 @@ TEST_P(CompressCollectives, AllReduceWithinTheDerivedBoundAndIdenticalOnEveryRan
   run_ranks(
       p,
       [&](Group& g) {
-        ASSERT_EQ(g.transport_kind(), GetParam().transport);
+        ASSERT_EQ(name_of(g.transport_kind()), GetParam().transport);
         const int r = g.rank();
         uint64_t salt = 0;
         for (Codec c : kCodecs) {
@@ -460,7 +461,7 @@ TEST_P(CompressCollectives, AllReduceWithinTheDerivedBoundAndIdenticalOnEveryRan
               std::vector<float> out(count, -1.0f), residual(count, -9.0f);
               CompressStats stats;
               float* dst = in_place ? x.data() : out.data();
-              g.all_reduce_compressed(x.data(), dst, count, c, op, residual.data(), &stats);
+              all_reduce_compressed(g, x.data(), dst, count, c, op, residual.data(), &stats);
               const std::vector<float> result(dst, dst + count);
 
               // Within the derived bound of the exact (double) result.
@@ -546,7 +547,7 @@ TEST_P(CompressCollectives, ReduceScatterWithinTheDerivedBound) {
               const std::vector<float>& x = all[static_cast<size_t>(r)];
               std::vector<float> out(block, -1.0f), residual(count, -9.0f);
               CompressStats stats;
-              g.reduce_scatter_compressed(x.data(), out.data(), block, c, op, residual.data(), &stats);
+              reduce_scatter_compressed(g, x.data(), out.data(), block, c, op, residual.data(), &stats);
               const std::vector<size_t> counts(static_cast<size_t>(p), block);
               const auto bound = derived_bound(c, all, counts, op == ReduceOp::avg, false);
               const size_t mine = static_cast<size_t>(r) * block;
@@ -587,15 +588,15 @@ TEST_P(CompressCollectives, AsyncFormsCompleteInIssueOrderWithTheBlockingResults
         for (size_t i = 0; i < count; ++i) x[i] = input(g.rank(), i, 77);
         for (size_t i = 0; i < rs_in.size(); ++i) rs_in[i] = input(g.rank(), i, 78);
         std::vector<float> ar_ref(count), rs_ref(count), ar(count), rs(count), res_ref(count), res(count);
-        g.all_reduce_compressed(x.data(), ar_ref.data(), count, Codec::int4, ReduceOp::avg, res_ref.data());
-        g.reduce_scatter_compressed(rs_in.data(), rs_ref.data(), count, Codec::bf16, ReduceOp::sum);
+        all_reduce_compressed(g, x.data(), ar_ref.data(), count, Codec::int4, ReduceOp::avg, res_ref.data());
+        reduce_scatter_compressed(g, rs_in.data(), rs_ref.data(), count, Codec::bf16, ReduceOp::sum);
 
         int32_t token = 1, tokens = 0;
         CompressStats stats;
         Work w1 =
-            g.all_reduce_compressed_async(x.data(), ar.data(), count, Codec::int4, ReduceOp::avg, res.data(), &stats);
-        Work w2 = g.reduce_scatter_compressed_async(rs_in.data(), rs.data(), count, Codec::bf16, ReduceOp::sum, nullptr,
-                                                    &stats);
+            all_reduce_compressed_async(g, x.data(), ar.data(), count, Codec::int4, ReduceOp::avg, res.data(), &stats);
+        Work w2 = reduce_scatter_compressed_async(g, rs_in.data(), rs.data(), count, Codec::bf16, ReduceOp::sum,
+                                                  nullptr, &stats);
         Work w3 = g.all_reduce_async(&token, &tokens, 1, DataType::i32, ReduceOp::sum);
         w3.wait();
         EXPECT_TRUE(w1.test());  // issued first, so finished first
@@ -645,8 +646,8 @@ TEST(CompressCollectiveFeedback, RunningSumOfResultsTracksTheExactSumOverSteps) 
             x[i] = 0.02f + (i % 211 == 0 ? (input(r, i, static_cast<uint64_t>(t)) > 0 ? 1.0f : -1.0f) : 0.0f);
             in[i] = x[i] + residual[i];
           }
-          g.all_reduce_compressed(in.data(), out.data(), count, Codec::int4, ReduceOp::avg, residual.data());
-          g.all_reduce_compressed(x.data(), plain.data(), count, Codec::int4, ReduceOp::avg);
+          all_reduce_compressed(g, in.data(), out.data(), count, Codec::int4, ReduceOp::avg, residual.data());
+          all_reduce_compressed(g, x.data(), plain.data(), count, Codec::int4, ReduceOp::avg);
           // The exact average of the inputs of every rank, and a rounding slack for this step.
           std::vector<float> exact(count), mags(count);
           for (size_t i = 0; i < count; ++i) {
@@ -682,7 +683,7 @@ TEST(CompressCollectiveFeedback, RunningSumOfResultsTracksTheExactSumOverSteps) 
 TEST(CompressCollectiveErrors, RanksWithDifferentCodecsFailInsteadOfMisdecoding) {
   GroupOptions opts = test_util::quick_options();
   opts.timeout = std::chrono::milliseconds(3000);
-  opts.transport = "shm";
+  opts.transport = TransportKind::shm;
   std::atomic<int> raised{0};
   run_ranks(
       2,
@@ -690,7 +691,7 @@ TEST(CompressCollectiveErrors, RanksWithDifferentCodecsFailInsteadOfMisdecoding)
         std::vector<float> x(1000, 1.0f), y(1000);
         const auto t0 = std::chrono::steady_clock::now();
         try {
-          g.all_reduce_compressed(x.data(), y.data(), x.size(), g.rank() == 0 ? Codec::bf16 : Codec::fp16,
+          all_reduce_compressed(g, x.data(), y.data(), x.size(), g.rank() == 0 ? Codec::bf16 : Codec::fp16,
                                   ReduceOp::sum);
           ADD_FAILURE() << "rank " << g.rank() << ": mismatched codecs were not detected";
         } catch (const CommError& e) {
@@ -717,14 +718,14 @@ TEST(CompressCollectiveErrors, ARankThatNeverJoinsTimesOutAndBreaksTheGroup) {
         std::vector<float> x(5000, 1.0f), y(5000);
         const auto t0 = std::chrono::steady_clock::now();
         try {
-          g.reduce_scatter_compressed_async(x.data(), y.data(), 1000, Codec::int8, ReduceOp::avg).wait();
+          reduce_scatter_compressed_async(g, x.data(), y.data(), 1000, Codec::int8, ReduceOp::avg).wait();
           ADD_FAILURE() << "reduce_scatter_compressed returned without rank 2";
         } catch (const CommError& e) {
           EXPECT_EQ(e.op(), "reduce_scatter_compressed") << e.what();
           EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 3.0);
           ++raised;
         }
-        EXPECT_THROW(g.all_reduce_compressed(x.data(), y.data(), 10, Codec::int8, ReduceOp::sum), CommError);
+        EXPECT_THROW(all_reduce_compressed(g, x.data(), y.data(), 10, Codec::int8, ReduceOp::sum), CommError);
       },
       opts);
   EXPECT_EQ(raised.load(), 2);
@@ -735,14 +736,14 @@ TEST(CompressCollectiveErrors, BadArgumentsRaiseWithoutBreakingTheGroup) {
   run_ranks(2, [](Group& g) {
     std::vector<float> x(64, 1.0f), y(64), res(64);
     try {
-      g.all_reduce_compressed(x.data(), y.data(), 64, Codec::int8, ReduceOp::max);
+      all_reduce_compressed(g, x.data(), y.data(), 64, Codec::int8, ReduceOp::max);
       ADD_FAILURE() << "max accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("all_reduce_compressed: op max is not supported"), std::string::npos)
           << e.what();
     }
-    EXPECT_THROW(g.reduce_scatter_compressed(x.data(), y.data(), 32, Codec::int8, ReduceOp::sum, x.data() + 8), Error);
-    g.all_reduce_compressed(x.data(), y.data(), 64, Codec::int8, ReduceOp::sum, res.data());
+    EXPECT_THROW(reduce_scatter_compressed(g, x.data(), y.data(), 32, Codec::int8, ReduceOp::sum, x.data() + 8), Error);
+    all_reduce_compressed(g, x.data(), y.data(), 64, Codec::int8, ReduceOp::sum, res.data());
     EXPECT_NEAR(y[0], 2.0f, 2 * max_error(Codec::int8, 2.0, 2.0));
   });
 }

@@ -24,6 +24,7 @@
 
 #include "comm_test_util.h"
 #include "dtrain/comm/group.h"
+#include "dtrain/comm/shared.h"
 
 namespace dtrain::comm {
 namespace {
@@ -114,10 +115,10 @@ TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
     pids.push_back(spawn_rank(job, r, size, timeout, [&](Group& g) {
       std::vector<float> x(count, 1.0f);
       SharedMemory m;
-      if (shared) m = g.allocate_shared(count * 4 * static_cast<size_t>(size));
+      if (shared) m = allocate_shared(g, count * 4 * static_cast<size_t>(size));
       auto all_reduce = [&] {
         if (shared) {
-          g.all_reduce_shared(m, 0, count * 4, count, DataType::f32, ReduceOp::sum);
+          all_reduce_shared(g, m, 0, count * 4, count, DataType::f32, ReduceOp::sum);
         } else {
           g.all_reduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum);
         }

@@ -318,7 +318,7 @@ TEST_P(HierarchicalAllReduce, EveryDtypeAndOpIsExactOnEveryRank) {
       p,
       [&](Group& g) {
         const int r = g.rank();
-        EXPECT_EQ(g.transport_kind(), "tcp");
+        EXPECT_EQ(g.transport_kind(), TransportKind::tcp);
         EXPECT_EQ(g.all_reduce_algorithm(size_t{1} << 20), shaped ? Algorithm::hierarchical : Algorithm::ring);
         EXPECT_EQ(g.all_reduce_algorithm(4096), shaped ? Algorithm::hierarchical : Algorithm::recursive_doubling);
         all_reduce_every_dtype_and_op(g, "hier all_reduce");
@@ -366,7 +366,7 @@ TEST(HierarchicalAllReduceChoice, AutoTakesItFrom64KiBAndOneHostSplitsUseShm) {
         EXPECT_EQ(g.all_reduce_algorithm((64 << 10) - 4), Algorithm::halving_doubling);
         EXPECT_EQ(g.all_reduce_algorithm(64 << 10), Algorithm::hierarchical);
         Group host = g.split(g.rank() % 2, g.rank());
-        EXPECT_EQ(host.transport_kind(), "shm");
+        EXPECT_EQ(host.transport_kind(), TransportKind::shm);
         EXPECT_EQ(host.all_reduce_algorithm(64 << 10), Algorithm::direct);
       },
       [](int r) {

@@ -204,7 +204,7 @@ TEST(CommSecretRule, TheTcpTransportAndGroupsRefuseAWeakSecret) {
   expect_weak_secret_error([&] { dc::make_tcp_transport(*store, "weak", 0, 1, "q7", "127.0.0.1", 1000ms); },
                            "tcp transport");
   dc::GroupOptions o;
-  o.transport = "tcp";
+  o.transport = dc::TransportKind::tcp;
   o.secret = "q7";
   o.timeout = 2000ms;
   expect_weak_secret_error([&] { dc::Group::create(store, 0, 1, o, "weak"); }, "group 'weak'");

@@ -13,6 +13,7 @@
 
 #include "comm_test_util.h"
 #include "dtrain/comm/group.h"
+#include "dtrain/comm/shared.h"
 
 namespace dtrain::comm {
 namespace {
@@ -32,9 +33,9 @@ int shm_entries_containing(const std::string& needle) {
 TEST(SharedMemory, EveryRankSeesEveryRanksWritesAfterABarrier) {
   for (int world : {1, 2, 3, 5}) {
     run_ranks(world, [&](Group& g) {
-      ASSERT_TRUE(g.can_share_memory());
+      ASSERT_TRUE(can_share_memory(g));
       constexpr size_t kPerRank = 4099;  // not a multiple of anything
-      SharedMemory m = g.allocate_shared(kPerRank * static_cast<size_t>(world));
+      SharedMemory m = allocate_shared(g, kPerRank * static_cast<size_t>(world));
       ASSERT_TRUE(m.valid());
       ASSERT_EQ(m.bytes(), kPerRank * static_cast<size_t>(world));
       for (size_t i = 0; i < m.bytes(); ++i) ASSERT_EQ(m.data()[i], 0) << "not zeroed at byte " << i;
@@ -50,7 +51,7 @@ TEST(SharedMemory, EveryRankSeesEveryRanksWritesAfterABarrier) {
         }
       }
       // A second allocation is a different block; the first stays mapped.
-      SharedMemory other = g.allocate_shared(64);
+      SharedMemory other = allocate_shared(g, 64);
       EXPECT_NE(other.data(), m.data());
       EXPECT_EQ(m.data()[0], 0);
       g.barrier();
@@ -60,7 +61,7 @@ TEST(SharedMemory, EveryRankSeesEveryRanksWritesAfterABarrier) {
 
 TEST(SharedMemory, NothingIsLeftInDevShm) {
   run_ranks(3, [](Group& g) {
-    SharedMemory m = g.allocate_shared(1 << 20);
+    SharedMemory m = allocate_shared(g, 1 << 20);
     // The name is unlinked as soon as every rank mapped it: no file survives a crash. Only
     // this process's segments count (their names carry its pid): ctest -j runs other test
     // processes whose first groups have the same names.
@@ -89,7 +90,7 @@ TEST(SharedMemory, ReduceScatterInPlaceEqualsTheCopyingOneBitwise) {
           // Rank q's inputs at q * stride: f32 first, then f64, then i32; a stride with slack.
           const size_t f32_bytes = input.size() * 4, f64_bytes = input.size() * 8, i32_bytes = input.size() * 4;
           const size_t stride = f32_bytes + f64_bytes + i32_bytes + 64;
-          SharedMemory m = g.allocate_shared(16 + stride * static_cast<size_t>(world));
+          SharedMemory m = allocate_shared(g, 16 + stride * static_cast<size_t>(world));
           char* mine = m.data() + 16 + static_cast<size_t>(g.rank()) * stride;
           std::memcpy(mine, input.data(), f32_bytes);
           std::memcpy(mine + f32_bytes, input64.data(), f64_bytes);
@@ -101,9 +102,9 @@ TEST(SharedMemory, ReduceScatterInPlaceEqualsTheCopyingOneBitwise) {
           g.reduce_scatter(input.data(), want.data(), count, DataType::f32, op);
           g.reduce_scatter(input64.data(), want64.data(), count, DataType::f64, op);
           g.reduce_scatter(input32.data(), want32.data(), count, DataType::i32, op);
-          Work a = g.reduce_scatter_shared_async(m, 16, stride, got.data(), count, DataType::f32, op);
-          Work b = g.reduce_scatter_shared_async(m, 16 + f32_bytes, stride, got64.data(), count, DataType::f64, op);
-          Work c = g.reduce_scatter_shared_async(m, 16 + f32_bytes + f64_bytes, stride, got32.data(), count,
+          Work a = reduce_scatter_shared_async(g, m, 16, stride, got.data(), count, DataType::f32, op);
+          Work b = reduce_scatter_shared_async(g, m, 16 + f32_bytes, stride, got64.data(), count, DataType::f64, op);
+          Work c = reduce_scatter_shared_async(g, m, 16 + f32_bytes + f64_bytes, stride, got32.data(), count,
                                                  DataType::i32, op);
           a.wait();
           b.wait();
@@ -134,7 +135,7 @@ TEST(SharedMemory, AllReduceInPlaceEqualsTheCopyingOneBitwise) {
           std::vector<int32_t> input32(input.begin(), input.end());
           const size_t f32_bytes = count * 4, f64_bytes = count * 8, i32_bytes = count * 4;
           const size_t stride = f32_bytes + f64_bytes + i32_bytes + 40;  // not a multiple of a line
-          SharedMemory m = g.allocate_shared(24 + stride * static_cast<size_t>(world));
+          SharedMemory m = allocate_shared(g, 24 + stride * static_cast<size_t>(world));
           char* mine = m.data() + 24 + static_cast<size_t>(g.rank()) * stride;
           std::memcpy(mine, input.data(), f32_bytes);
           std::memcpy(mine + f32_bytes, input64.data(), f64_bytes);
@@ -146,9 +147,9 @@ TEST(SharedMemory, AllReduceInPlaceEqualsTheCopyingOneBitwise) {
           g.all_reduce(input.data(), want.data(), count, DataType::f32, op);
           g.all_reduce(input64.data(), want64.data(), count, DataType::f64, op);
           g.all_reduce(input32.data(), want32.data(), count, DataType::i32, op);
-          Work a = g.all_reduce_shared_async(m, 24, stride, count, DataType::f32, op);
-          Work b = g.all_reduce_shared_async(m, 24 + f32_bytes, stride, count, DataType::f64, op);
-          g.all_reduce_shared(m, 24 + f32_bytes + f64_bytes, stride, count, DataType::i32, op);
+          Work a = all_reduce_shared_async(g, m, 24, stride, count, DataType::f32, op);
+          Work b = all_reduce_shared_async(g, m, 24 + f32_bytes, stride, count, DataType::f64, op);
+          all_reduce_shared(g, m, 24 + f32_bytes + f64_bytes, stride, count, DataType::i32, op);
           a.wait();
           b.wait();
           const std::string what = fmt::format("world {} {} count {} rank {}", world, name_of(op), count, g.rank());
@@ -180,13 +181,13 @@ TEST(SharedMemory, AllReducesInSharedMemoryRepeatAndInterleaveWithCopyingCalls) 
     run_ranks(world, [&](Group& g) {
       constexpr size_t kCount = 300007;
       const size_t stride = kCount * 4;
-      SharedMemory m = g.allocate_shared(stride * static_cast<size_t>(world));
+      SharedMemory m = allocate_shared(g, stride * static_cast<size_t>(world));
       auto* mine = reinterpret_cast<float*>(m.data() + static_cast<size_t>(g.rank()) * stride);
       for (size_t i = 0; i < kCount; ++i) mine[i] = static_cast<float>(i % 5);
       g.barrier();
       double factor = 1;
       for (int round = 0; round < 4; ++round) {
-        g.all_reduce_shared(m, 0, stride, kCount, DataType::f32, ReduceOp::sum);
+        all_reduce_shared(g, m, 0, stride, kCount, DataType::f32, ReduceOp::sum);
         factor *= world;
         for (size_t i = 0; i < kCount; ++i) {
           ASSERT_EQ(mine[i], static_cast<float>(static_cast<double>(i % 5) * factor))
@@ -204,16 +205,16 @@ TEST(SharedMemory, AllReducesInSharedMemoryRepeatAndInterleaveWithCopyingCalls) 
 TEST(SharedMemory, MisuseIsNamed) {
   // Inputs that do not fit, or that overlap.
   run_ranks(2, [](Group& g) {
-    SharedMemory m = g.allocate_shared(1000);
+    SharedMemory m = allocate_shared(g, 1000);
     std::vector<float> out(100);
     try {
-      (void)g.reduce_scatter_shared_async(m, 0, 400, out.data(), 100, DataType::f32, ReduceOp::sum);
+      (void)reduce_scatter_shared_async(g, m, 0, 400, out.data(), 100, DataType::f32, ReduceOp::sum);
       ADD_FAILURE() << "inputs of 800 bytes every 400 bytes were accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
     }
     try {
-      (void)g.reduce_scatter_shared_async(SharedMemory(), 0, 8, out.data(), 1, DataType::f32, ReduceOp::sum);
+      (void)reduce_scatter_shared_async(g, SharedMemory(), 0, 8, out.data(), 1, DataType::f32, ReduceOp::sum);
       ADD_FAILURE() << "an empty SharedMemory was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("allocate_shared"), std::string::npos) << e.what();
@@ -221,14 +222,14 @@ TEST(SharedMemory, MisuseIsNamed) {
   });
   // Over tcp there is nothing to share.
   GroupOptions tcp = quick_options();
-  tcp.transport = "tcp";
+  tcp.transport = TransportKind::tcp;
   tcp.secret = "40794539e77bf0427a0e28a929244e1e50b155ab2ea59b980615f8226dae97e5";
   run_ranks(
       2,
       [](Group& g) {
-        EXPECT_FALSE(g.can_share_memory());
+        EXPECT_FALSE(can_share_memory(g));
         try {
-          (void)g.allocate_shared(64);
+          (void)allocate_shared(g, 64);
           ADD_FAILURE() << "allocate_shared worked over tcp";
         } catch (const Error& e) {
           EXPECT_NE(std::string(e.what()).find("not tcp"), std::string::npos) << e.what();
@@ -238,11 +239,11 @@ TEST(SharedMemory, MisuseIsNamed) {
   // One rank reduces from shared memory, the other calls the copying reduce_scatter: both fail,
   // naming both calls.
   run_ranks(2, [](Group& g) {
-    SharedMemory m = g.allocate_shared(2 * 64);
+    SharedMemory m = allocate_shared(g, 2 * 64);
     std::vector<float> in(8), out(4);
     try {
       if (g.rank() == 0) {
-        g.reduce_scatter_shared_async(m, 0, 64, out.data(), 4, DataType::f32, ReduceOp::sum).wait();
+        reduce_scatter_shared_async(g, m, 0, 64, out.data(), 4, DataType::f32, ReduceOp::sum).wait();
       } else {
         g.reduce_scatter(in.data(), out.data(), 4, DataType::f32, ReduceOp::sum);
       }
@@ -256,21 +257,21 @@ TEST(SharedMemory, MisuseIsNamed) {
 }
 TEST(SharedMemory, AllReduceMismatchesAndMisuseAreNamed) {
   run_ranks(2, [](Group& g) {
-    SharedMemory m = g.allocate_shared(2 * 64);
+    SharedMemory m = allocate_shared(g, 2 * 64);
     try {
-      (void)g.all_reduce_shared_async(m, 0, 32, 16, DataType::f32, ReduceOp::sum);
+      (void)all_reduce_shared_async(g, m, 0, 32, 16, DataType::f32, ReduceOp::sum);
       ADD_FAILURE() << "vectors of 64 bytes every 32 bytes were accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
     }
     try {  // an offset that wraps the end past zero, which a plain sum would let through
-      (void)g.all_reduce_shared_async(m, SIZE_MAX - 2, 64, 1, DataType::f32, ReduceOp::sum);
+      (void)all_reduce_shared_async(g, m, SIZE_MAX - 2, 64, 1, DataType::f32, ReduceOp::sum);
       ADD_FAILURE() << "an offset near SIZE_MAX was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
     }
     try {
-      (void)g.all_reduce_shared_async(SharedMemory(), 0, 64, 1, DataType::f32, ReduceOp::sum);
+      (void)all_reduce_shared_async(g, SharedMemory(), 0, 64, 1, DataType::f32, ReduceOp::sum);
       ADD_FAILURE() << "an empty SharedMemory was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("allocate_shared"), std::string::npos) << e.what();
@@ -280,7 +281,7 @@ TEST(SharedMemory, AllReduceMismatchesAndMisuseAreNamed) {
     std::vector<float> in(16);
     try {
       if (g.rank() == 0) {
-        g.all_reduce_shared(m, 0, 64, 16, DataType::f32, ReduceOp::sum);
+        all_reduce_shared(g, m, 0, 64, 16, DataType::f32, ReduceOp::sum);
       } else {
         std::vector<float> big(100);
         g.all_reduce(big.data(), big.data(), big.size(), DataType::f32, ReduceOp::sum);

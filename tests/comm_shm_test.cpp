@@ -406,7 +406,7 @@ TEST(ShmTransport, ManyOddSizedMessagesWrapATinyRingInOrder) {
 
 TEST(ShmTransport, SingleRankSendsToItself) {
   auto errors = run_threads(1, [&](Transport& t) {
-    EXPECT_STREQ(t.kind(), "shm");
+    EXPECT_EQ(t.kind(), TransportKind::shm);
     const auto sent = pattern(1000, 9);
     std::vector<uint8_t> got(1000);
     const RequestId r = t.post_recv(0, 4, got.data(), got.size());

@@ -175,7 +175,7 @@ class TcpExchange : public ::testing::TestWithParam<size_t> {};
 TEST_P(TcpExchange, BothDirectionsAtOnceAreBitExact) {
   const size_t bytes = GetParam();
   auto errors = run_threads(2, [&](Transport& t) {
-    EXPECT_STREQ(t.kind(), "tcp");
+    EXPECT_EQ(t.kind(), TransportKind::tcp);
     const int peer = 1 - t.rank();
     const auto mine = pattern(bytes, static_cast<uint64_t>(t.rank()));
     std::vector<uint8_t> got(bytes, 0xee);
@@ -313,7 +313,7 @@ TEST(CommTcpTransport, TestProgressesWithoutBlockingAndReapsLikeWait) {
 
 TEST(CommTcpTransport, SingleRankSendsToItself) {
   auto errors = run_threads(1, [&](Transport& t) {
-    EXPECT_STREQ(t.kind(), "tcp");
+    EXPECT_EQ(t.kind(), TransportKind::tcp);
     const auto sent = pattern(1000, 9);
     std::vector<uint8_t> got(1000);
     const RequestId r = t.post_recv(0, 4, got.data(), got.size());
@@ -713,7 +713,7 @@ using dtrain::comm::test_util::run_ranks;
 
 GroupOptions tcp_options() {
   GroupOptions o;
-  o.transport = "tcp";
+  o.transport = TransportKind::tcp;
   o.secret = kSecret;
   o.timeout = kWaitTimeout;
   return o;
@@ -727,7 +727,7 @@ TEST_P(TcpGroup, AllReduceSumIsExactAndIdenticalOnEveryRank) {
     run_ranks(
         p,
         [&](Group& g) {
-          ASSERT_EQ(g.transport_kind(), "tcp");
+          ASSERT_EQ(g.transport_kind(), TransportKind::tcp);
           std::vector<float> x(count);
           for (size_t i = 0; i < count; ++i) x[i] = static_cast<float>((g.rank() + 1) * 10 + static_cast<int>(i % 7));
           std::vector<float> out(count);
@@ -756,7 +756,7 @@ TEST(CommTcpGroupOptions, EnvironmentChoosesTcpAndSuppliesTheSecret) {
   EXPECT_NO_THROW(run_ranks(
       3,
       [](Group& g) {
-        EXPECT_EQ(g.transport_kind(), "tcp");
+        EXPECT_EQ(g.transport_kind(), TransportKind::tcp);
         int32_t v = g.rank() + 1, sum = 0;
         g.all_reduce(&v, &sum, 1, DataType::i32, ReduceOp::sum);
         EXPECT_EQ(sum, 6);
@@ -772,7 +772,7 @@ TEST(CommTcpGroupOptions, EnvironmentChoosesTcpAndSuppliesTheSecret) {
     EXPECT_TRUE(contains(e.what(), "DTRAIN_TRANSPORT='carrier-pigeon': expected auto, shm or tcp")) << e.what();
   }
   ::unsetenv("DTRAIN_TRANSPORT");
-  opts.transport = "tcp";  // and no secret anywhere
+  opts.transport = TransportKind::tcp;  // and no secret anywhere
   try {
     run_ranks(
         1, [](Group&) {}, opts);
@@ -789,7 +789,7 @@ TEST(CommTcpGroupOptions, RanksThatChoseDifferentTransportsAreNamed) {
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       GroupOptions o = tcp_options();
-      o.transport = r == 0 ? "tcp" : "shm";
+      o.transport = r == 0 ? TransportKind::tcp : TransportKind::shm;
       try {
         Group::create(store, r, 2, o, "mixed");
       } catch (const Error& e) {
@@ -833,8 +833,8 @@ TEST(CommTcpGroupOptions, FromEnvInTwoProcessesUsesTheLauncherVariables) {
       Group g = Group::from_env(o);
       int32_t v = g.rank() + 1, sum = 0;
       g.all_reduce(&v, &sum, 1, DataType::i32, ReduceOp::sum);
-      if (g.transport_kind() != "tcp" || sum != 3) {
-        std::fprintf(stderr, "rank %d: transport %s, sum %d\n", r, g.transport_kind().c_str(), sum);
+      if (g.transport_kind() != TransportKind::tcp || sum != 3) {
+        std::fprintf(stderr, "rank %d: transport %s, sum %d\n", r, name_of(g.transport_kind()), sum);
         code = 2;
       }
     } catch (const std::exception& e) {

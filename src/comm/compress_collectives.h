@@ -1,5 +1,5 @@
 // The compressed collectives' algorithm, run by Group inside its operation machinery (see
-// compress_collectives.cpp for the algorithm and group.h for the API).
+// compress_collectives.cpp for the algorithm and compressed.h for the API).
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,5 @@
-// Failure detection and diagnosis for process groups (internal to comm):
-// - FlightRecorder: the last N operations of one group (what, how big, when queued, started
-//   and finished, and how it ended), cheap enough to record every call.
+// Failure detection for process groups (internal to comm; their flight records are in
+// flight_record.h):
 // - Heartbeat: a thread that publishes this rank's liveness in the store and watches the
 //   next rank's, so that a rank that died, stopped or lost the network is found within the
 //   heartbeat timeout even when no collective is waiting on it.
@@ -21,44 +20,10 @@
 #include <thread>
 #include <vector>
 
-#include "dtrain/comm/group.h"
 #include "dtrain/comm/store.h"
+#include "dtrain/comm/types.h"
 
 namespace dtrain::comm::health {
-
-// Recording sits on the latency path of small collectives (a few hundred nanoseconds): a
-// spin lock held for a few stores, one clock read per state change, no allocation for the
-// usual short op names.
-class FlightRecorder {
- public:
-  explicit FlightRecorder(size_t capacity) : ring_(capacity) {}
-  /// Records an operation as queued (started too, when `running`); returns its id for
-  /// started()/ended().
-  uint64_t queued(const char* op, uint64_t seq, bool collective, size_t bytes, int peer, bool running = false);
-  void started(uint64_t id);
-  void ended(uint64_t id, const std::exception_ptr& error);
-  /// Records a collective that ran from `start` until now in one go.
-  void completed(const char* op, uint64_t seq, size_t bytes, int peer, Clock::time_point start,
-                 const std::exception_ptr& error);
-  /// Oldest first.
-  std::vector<FlightEntry> entries() const;
-
- private:
-  struct Lock {
-    explicit Lock(const std::atomic<bool>& flag);
-    ~Lock();
-    std::atomic<bool>& flag;
-  };
-  FlightEntry* find(uint64_t id);  // null once overwritten
-  // Takes the next slot and fills it; returns its id.
-  uint64_t write(const char* op, uint64_t seq, bool collective, size_t bytes, int peer, FlightEntry::State state,
-                 Clock::time_point queued, Clock::time_point started, Clock::time_point finished, std::string error);
-  mutable std::atomic<bool> busy_{false};
-  std::vector<FlightEntry> ring_;
-  std::vector<uint64_t> ids_ = std::vector<uint64_t>(ring_.size(), UINT64_MAX);
-  uint64_t next_ = 0;
-  size_t next_slot_ = 0;  // next_ % ring_.size()
-};
 
 /// Watches rank (rank + 1) % size through `store` (keys under `prefix`) and calls
 /// on_failure(reason) once when it missed its heartbeats for `timeout`, when another rank
@@ -109,8 +74,5 @@ struct WaitScope {
 /// Empty when the main work is fine (never noted, paused, waiting in a call, or noted within
 /// `timeout`); otherwise what it last noted and how long ago, as "<what> at step S for N ms".
 std::string progress_stall(Duration timeout);
-
-/// `text` as the inside of a JSON string.
-std::string json_escape(std::string_view text);
 
 }  // namespace dtrain::comm::health

@@ -213,7 +213,7 @@ class MpiTransport final : public Transport, public DirectCollectives {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  const char* kind() const override { return "mpi"; }
+  TransportKind kind() const override { return TransportKind::mpi; }
 
   RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) override {
     return post(true, peer, tag, const_cast<void*>(data), bytes);

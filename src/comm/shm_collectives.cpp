@@ -16,7 +16,7 @@
 //   broadcast: root copies in | sync | the others copy out.
 //   all_gather: copy own block in | sync | copy every block out.
 //   reduce_scatter: copy in | sync | reduce own block of every slot into the output.
-//   all_reduce_mapped (every rank's vector in memory all ranks map, Group::allocate_shared):
+//   all_reduce_mapped (every rank's vector in memory all ranks map, allocate_shared in shared.h):
 //     sync | rank r reduces slice r of every vector, in rank order, and writes it into every
 //     vector | sync. No staging: each rank reads and writes the data size once, against about
 //     three times for the staged path, which made a 4 MiB 2-rank all_reduce about 3x faster on

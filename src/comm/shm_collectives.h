@@ -10,7 +10,7 @@
 
 namespace dtrain::comm::shm {
 
-class Collectives final : public DirectCollectives {
+class Collectives final : public DirectCollectives, public MappedCollectives {
  public:
   /// `check_abort` throws TransportError(aborted) when the segment's abort flag is set.
   Collectives(const Segment& segment, int rank, int size, std::function<void()> check_abort);

@@ -152,7 +152,7 @@ class Segment {
   SegmentLayout layout_;
 };
 
-/// A plain shared mapping (Group::allocate_shared): created zeroed by one rank, opened by the
+/// A plain shared mapping (allocate_shared, shared.h): created zeroed by one rank, opened by the
 /// others. Move-only; unmaps on destruction (it never unlinks).
 class Mapping {
  public:

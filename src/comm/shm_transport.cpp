@@ -130,8 +130,9 @@ class ShmTransport final : public Transport {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  const char* kind() const override { return "shm"; }
+  TransportKind kind() const override { return TransportKind::shm; }
   DirectCollectives* direct() override { return &collectives_; }
+  MappedCollectives* mapped() override { return &collectives_; }
 
   RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) override {
     UseGuard guard(in_use_, "shm");

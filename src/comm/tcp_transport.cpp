@@ -138,7 +138,7 @@ class TcpTransport final : public Transport {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  const char* kind() const override { return "tcp"; }
+  TransportKind kind() const override { return TransportKind::tcp; }
 
   RequestId post_send(int peer, uint64_t tag, const void* data, size_t bytes) override {
     UseGuard guard(in_use_, "tcp");

@@ -23,7 +23,9 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/comm/compressed.h"
 #include "dtrain/comm/group.h"
+#include "dtrain/comm/shared.h"
 #include "dtrain/parallel/reducer.h"
 
 namespace dtrain::parallel {

@@ -79,7 +79,7 @@ class CompressedAllReduceSync : public AllReduceSync {
   comm::Work start(Bucket& b) override {
     float* residual = feedback_.add_to(b);
     float* g = b.grad.get();
-    return ctx_.group.all_reduce_compressed_async(g, g, b.count, codec_, comm::ReduceOp::avg, residual,
+    return comm::all_reduce_compressed_async(ctx_.group, g, g, b.count, codec_, comm::ReduceOp::avg, residual,
                                                   feedback_.stats(b));
   }
 
@@ -106,7 +106,7 @@ class CompressedZeroSync : public ZeroSync {
 
   comm::Work start(Bucket& b) override {
     float* residual = feedback_.add_to(b);
-    return ctx_.group.reduce_scatter_compressed_async(b.grad.get(), b.piece_grad.get(), ctx_.piece_of(b), codec_,
+    return comm::reduce_scatter_compressed_async(ctx_.group, b.grad.get(), b.piece_grad.get(), ctx_.piece_of(b), codec_,
                                                       comm::ReduceOp::avg, residual, feedback_.stats(b));
   }
 

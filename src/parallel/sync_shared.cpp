@@ -49,7 +49,7 @@ class SharedAllReduceSync : public AllReduceSync {
   comm::Work start(Bucket& b) override {
     if (b.count * sizeof(float) <= kCopyingBucketBytes) return AllReduceSync::start(b);
     count_volume(b);
-    return ctx_.group.all_reduce_shared_async(layout_.memory, layout_.grad_at(b.index), layout_.stride, b.count,
+    return comm::all_reduce_shared_async(ctx_.group, layout_.memory, layout_.grad_at(b.index), layout_.stride, b.count,
                                               DataType::f32, ReduceOp::avg);
   }
 
@@ -76,7 +76,7 @@ class SharedZeroSync : public ZeroSync {
 
   comm::Work start(Bucket& b) override {
     count_volume(b);
-    return ctx_.group.reduce_scatter_shared_async(layout_.memory, layout_.grad_at(b.index), layout_.stride,
+    return comm::reduce_scatter_shared_async(ctx_.group, layout_.memory, layout_.grad_at(b.index), layout_.stride,
                                                   b.piece_grad.get(), ctx_.piece_of(b), DataType::f32, ReduceOp::avg);
   }
 
@@ -97,7 +97,7 @@ std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::v
   // ZeRO 0 shares only where the group runs its direct collectives: a plan chosen with
   // DTRAIN_ALGO (ring, hd, ...) is what the user asked for, and the shared all_reduce is not it.
   const bool direct = group.all_reduce_algorithm(0) == comm::Algorithm::direct;
-  if (!((context.zero == 0 && direct) || context.zero == 1) || !group.can_share_memory()) return nullptr;
+  if (!((context.zero == 0 && direct) || context.zero == 1) || !comm::can_share_memory(group)) return nullptr;
   SharedLayout layout;
   layout.values_too = context.zero == 1;
   const size_t world = context.world();
@@ -127,7 +127,7 @@ std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::v
     }
     return nullptr;
   }
-  layout.memory = group.allocate_shared(bytes);
+  layout.memory = comm::allocate_shared(group, bytes);
   if (layout.values_too) return std::make_unique<SharedZeroSync>(std::move(context), std::move(layout));
   return std::make_unique<SharedAllReduceSync>(std::move(context), std::move(layout));
 }

@@ -325,7 +325,7 @@ void Trainer::join_mesh() {
     if (cfg_.backend == "mpi") {
       group_ = std::make_unique<comm::Group>(comm::Group::from_mpi(options));
     } else {
-      options.transport = cfg_.backend;
+      options.transport = comm::parse_transport(cfg_.backend);
       group_ = std::make_unique<comm::Group>(comm::Group::from_env(options));
     }
     DT_CHECK(group_->size() == world_, "train", "--dp {} x --pp {} x --tp {} = {} ranks but the {} started {} ({})",

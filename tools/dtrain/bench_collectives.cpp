@@ -28,8 +28,10 @@
 #include "commands.h"
 #include "dtrain/core/file.h"
 #include "dtrain/comm/compress.h"
+#include "dtrain/comm/compressed.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/reduce.h"
+#include "dtrain/comm/shared.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/half.h"
 
@@ -163,7 +165,7 @@ struct Case {
     recv.assign(in_shared ? 1 : std::max<size_t>(1, recv_elems * es), 0);  // shared: in place, no recv
     if (in_shared) {
       stride = (std::max<size_t>(1, count * es) + 4095) / 4096 * 4096;  // page-aligned vectors
-      shared = group.allocate_shared(stride * p);
+      shared = comm::allocate_shared(group, stride * p);
       in = shared.data() + stride * static_cast<size_t>(group.rank());
     } else {
       send.assign(std::max<size_t>(1, send_elems * es), 0);
@@ -200,16 +202,17 @@ struct Case {
     if (codec) {
       const auto* src = reinterpret_cast<const float*>(in);
       if (op == Op::allreduce) {
-        g->all_reduce_compressed(src, static_cast<float*>(out()), count, *codec, redop, nullptr, &stats);
+        comm::all_reduce_compressed(*g, src, static_cast<float*>(out()), count, *codec, redop, nullptr, &stats);
       } else {
-        g->reduce_scatter_compressed(src, reinterpret_cast<float*>(recv.data()), block, *codec, redop, nullptr, &stats);
+        comm::reduce_scatter_compressed(*g, src, reinterpret_cast<float*>(recv.data()), block, *codec, redop, nullptr,
+                                        &stats);
       }
       return;
     }
     switch (op) {
       case Op::allreduce:
         if (shared.valid()) {
-          g->all_reduce_shared(shared, 0, stride, count, dtype, redop);
+          comm::all_reduce_shared(*g, shared, 0, stride, count, dtype, redop);
         } else {
           g->all_reduce(in, out(), count, dtype, redop);
         }
@@ -635,7 +638,7 @@ uint64_t sweep(const CollBenchOptions& o, Group& world, const SweepCase& s, cons
                const Machine& m, nlohmann::json& rows) {
   comm::GroupOptions sub;
   sub.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
-  sub.transport = o.transport;
+  sub.transport = comm::parse_transport(o.transport);
   sub.algorithm = s.algo;
   Group g = world.split(0, world.rank(), sub);
   if (g.rank() == 0) print_sweep_title(o, s);
@@ -755,7 +758,7 @@ nlohmann::json bench_document(const CollBenchOptions& o, Group& world, const Mac
   doc["tool"] = "dtrain";
   doc["op"] = o.op;
   doc["world"] = world.size();
-  doc["transport"] = world.transport_kind();
+  doc["transport"] = comm::name_of(world.transport_kind());
   doc["dtype"] = o.dtype;
   doc["redop"] = o.redop;
   if (!o.compress.empty()) doc["compress"] = o.compress;
@@ -777,11 +780,11 @@ nlohmann::json bench_document(const CollBenchOptions& o, Group& world, const Mac
 // Rank 0: the machine's figures and the table's header.
 void print_header(const CollBenchOptions& o, Group& world, const Machine& m) {
   std::printf("# dtrain bench collectives: %d ranks, transport %s, %d iters (%d warm-up), time = slowest rank\n",
-              world.size(), world.transport_kind().c_str(), o.iters, o.warmup);
+              world.size(), comm::name_of(world.transport_kind()), o.iters, o.warmup);
   std::printf("# memcpy (one core): %.2f GB/s; bus/cpy = busbw as a fraction of it\n", m.copy_gbs);
   if (m.model) {
     std::printf("# ping-pong rank 0 <-> 1 (%s): alpha %.2f us, beta %.4f ns/B (%.2f GB/s); reduce gamma %.4f ns/B\n",
-                world.transport_kind().c_str(), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
+                comm::name_of(world.transport_kind()), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
     for (auto [b, t] : m.pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
   }
   if (o.compress.empty()) {
@@ -829,8 +832,8 @@ int worker(const CollBenchOptions& o) {
   const Sweeps w = parse_sweeps(o);
   comm::GroupOptions gopts;
   gopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
-  gopts.transport = o.transport;
-  Group world = o.transport == "mpi" ? Group::from_mpi(gopts) : Group::from_env(gopts);
+  gopts.transport = comm::parse_transport(o.transport);
+  Group world = gopts.transport == comm::TransportKind::mpi ? Group::from_mpi(gopts) : Group::from_env(gopts);
   const int rank = world.rank(), p = world.size();
   const Machine m = measure_machine(o, world, w.dtypes.front());
   nlohmann::json doc = bench_document(o, world, m);

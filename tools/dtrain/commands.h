@@ -37,7 +37,7 @@ struct CollBenchOptions {
   bool check = false;
   bool inplace = false;
   bool all_placements = false;  // all_reduce both out of place and in place
-  bool shared = false;          // all_reduce in place in Group::allocate_shared memory
+  bool shared = false;          // all_reduce in place in comm::allocate_shared memory
   bool model = false;
   double timeout_s = 120;
   std::string json;

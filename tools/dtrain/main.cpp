@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
   colls->add_flag("--inplace", coll.inplace, "all_reduce in place (send == recv)");
   colls->add_flag("--all-placements", coll.all_placements, "all_reduce both out of place and in place");
   colls->add_flag("--shared", coll.shared,
-                  "all_reduce in place with each rank's vector in memory every rank maps (Group::allocate_shared, "
+                  "all_reduce in place with each rank's vector in memory every rank maps (comm::allocate_shared, "
                   "all_reduce_shared: no copy in or out; shm transport)");
   colls->add_flag("--model", coll.model, "measure alpha/beta by ping-pong and print the cost model's time per row");
   colls->add_option("--json", coll.json, "write the results as JSON (rank 0)");

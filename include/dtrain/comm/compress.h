@@ -1,7 +1,7 @@
 // Gradient codecs of the comm layer: f32 buffers encoded to fewer bytes for the wire, decoded
 // (or decoded and added) on the other side. The codecs know only bytes and counts; the policy
 // and its state (error-feedback residuals kept per parameter, PowerSGD) belong to the parallel
-// layer. Group::all_reduce_compressed / reduce_scatter_compressed run them inside collectives.
+// layer. all_reduce_compressed / reduce_scatter_compressed (compressed.h) run them inside collectives.
 //
 // Codecs and their payloads (n elements; chunks of kQuantChunk elements from the start of the
 // buffer, the last one possibly shorter):

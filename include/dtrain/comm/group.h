@@ -28,6 +28,9 @@
 // an error, raises CommError naming the operation, its sequence number on this group and
 // the peers that did not arrive. After a failure the group is broken: later calls raise at
 // once. An error on one rank aborts the transport, so its peers raise instead of waiting.
+//
+// More collectives on a group, as free functions under the same rules: compressed ones on
+// f32 gradients (compressed.h), and ones in memory every rank of a host maps (shared.h).
 #pragma once
 
 #include <cstdint>
@@ -35,16 +38,21 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/comm/compress.h"
+#include "dtrain/comm/flight_record.h"
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/store.h"
+#include "dtrain/comm/transport.h"
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm {
 
-/// Transport choice: "shm" (every rank on one host), "tcp", "mpi" (Group::from_mpi sets it;
-/// every rank must be in MPI_COMM_WORLD), or "auto": shm when every rank
-/// runs on this host, tcp otherwise. While `transport` is "auto", the environment variable
+namespace detail {
+struct GroupAccess;  // the comm library's internal view of a group
+}
+
+/// Transport choice (transport.h): shm (every rank on one host), tcp, mpi (Group::from_mpi
+/// sets it; every rank must be in MPI_COMM_WORLD), or automatic: shm when every rank runs on
+/// this host, tcp otherwise. While `transport` is automatic, the environment variable
 /// DTRAIN_TRANSPORT=shm|tcp|auto decides instead. Every rank must end up with the same choice
 /// (checked: a mismatch raises naming both ranks).
 ///
@@ -54,11 +62,11 @@ namespace dtrain::comm {
 /// (a wildcard 0.0.0.0 or :: publishes this host's name instead). Every connection is
 /// authenticated with `secret`, the job secret ("" means DTRAIN_SECRET).
 struct GroupOptions {
-  Duration timeout = std::chrono::minutes(5);  // default for blocking calls and Work::wait()
-  std::string transport = "auto";              // auto | shm | tcp | mpi (see above; also DTRAIN_TRANSPORT)
-  Algorithm algorithm = Algorithm::automatic;  // overrides the per-size choice (also DTRAIN_ALGO)
-  std::string bind_address;                    // tcp: address to listen on and publish; "" = 127.0.0.1
-  std::string secret;                          // tcp: the job secret; "" = DTRAIN_SECRET
+  Duration timeout = std::chrono::minutes(5);         // default for blocking calls and Work::wait()
+  TransportKind transport = TransportKind::automatic;  // see above (also DTRAIN_TRANSPORT)
+  Algorithm algorithm = Algorithm::automatic;         // overrides the per-size choice (also DTRAIN_ALGO)
+  std::string bind_address;                           // tcp: address to listen on and publish; "" = 127.0.0.1
+  std::string secret;                                 // tcp: the job secret; "" = DTRAIN_SECRET
   /// Which host this rank is on, as far as transports and the hierarchy go: ranks with equal
   /// ids share memory. "" = DTRAIN_HOST_ID if set, else the host name and boot id. Tests set
   /// it to run several "hosts" as threads of one process; a group with it set may then use
@@ -83,26 +91,6 @@ struct GroupOptions {
   /// Operations kept in the group's flight record (see Group::flight_record()).
   size_t flight_record_size = 256;
 };
-
-/// One operation in a group's flight record: the last `flight_record_size` operations, kept
-/// so that a failure can be explained afterwards (which call each rank was in, for how long).
-/// On the first failure in a process, every group's record is written to
-/// DTRAIN_FLIGHT_DIR/rank-R.json when that variable is set (dtrain launch sets it).
-struct FlightEntry {
-  enum class State : uint8_t { queued, running, done, failed };
-  uint64_t seq = 0;  // the collective (or point-to-point) sequence number on the group
-  std::string op;
-  bool collective = true;
-  size_t bytes = 0;  // payload per rank
-  int peer = -1;     // point to point: the peer; broadcast/reduce: the root
-  State state = State::queued;
-  /// A blocking collective that ran inline in the caller (the small-message latency path) is
-  /// recorded when it ends, with queued = started = its start and, when it succeeded,
-  /// finished = started too: its duration is not measured, to keep clock reads off that path.
-  Clock::time_point queued_at{}, started_at{}, finished_at{};
-  std::string error;
-};
-const char* name_of(FlightEntry::State s);
 
 /// The environment variables that carry this process's rank and world size, as the launcher
 /// that started it set them: RANK / WORLD_SIZE (dtrain launch, torchrun), Open MPI's
@@ -132,26 +120,6 @@ class Work {
   std::shared_ptr<State> state_;
 };
 
-/// Memory that every rank of a group on one host maps (as MPI_Win_allocate_shared): the same
-/// bytes, at its own address in each process, zeroed at creation. Copies share the mapping,
-/// which lasts until the last copy (and keep_alive()) in this process is gone. Writes by one
-/// rank are visible to the others after a collective that both took part in (a barrier).
-class SharedMemory {
- public:
-  SharedMemory() = default;
-  bool valid() const { return mapping_ != nullptr; }
-  char* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-  /// Holds the mapping (e.g. for tensors whose storage is in it).
-  std::shared_ptr<const void> keep_alive() const { return mapping_; }
-
- private:
-  friend class Group;
-  std::shared_ptr<const void> mapping_;
-  char* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
 class Group {
  public:
   /// Joins group `name` as `rank` of `size` through `store` (all ranks call this).
@@ -176,7 +144,8 @@ class Group {
   Group() = default;
   int rank() const;
   int size() const;
-  const std::string& transport_kind() const;
+  /// The transport it runs over (never automatic); TransportKind::none for an empty group.
+  TransportKind transport_kind() const;
   /// The options this group was created with (a split without options inherits them).
   const GroupOptions& options() const;
   /// Collective: ranks with the same color form a sub-group ordered by (key, rank). A
@@ -185,7 +154,7 @@ class Group {
   /// The same, with its own options (e.g. another algorithm or timeout) for the sub-group;
   /// an empty bind_address, secret or host_id is the parent's.
   Group split(int color, int key, const GroupOptions& options) const;
-  /// The last operations of this group, oldest first (see FlightEntry).
+  /// The last operations of this group, oldest first (flight_record.h).
   std::vector<FlightEntry> flight_record() const;
   /// What all_reduce of `bytes` bytes runs on this group: direct, hier, ring, hd or rd.
   Algorithm all_reduce_algorithm(size_t bytes) const;
@@ -211,80 +180,19 @@ class Group {
   void send(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
   void recv(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
 
-  /// Compressed collectives on f32 buffers (codecs, formats and error bounds: compress.h), the
-  /// gradient path of data parallelism. The two-phase scheme: each rank encodes the blocks of
-  /// its input and sends block q to rank q, which decodes and sums them in f32 (its own block
-  /// raw); all_reduce then has each owner encode its reduced block once and every rank decode
-  /// those same bytes, so every rank ends with bitwise identical results. Ordering, timeout and
-  /// failure rules are those of the other collectives (each is one collective on the group,
-  /// with the message tags of its own sequence number); ranks that call them with different
-  /// codecs or ops fail with a tag mismatch naming both sides, different counts with a size
-  /// mismatch (or, when one side sends nothing, the timeout). Only ReduceOp::sum and avg.
-  ///
-  /// `residual` (optional, the size of `send`, overlapping neither buffer) receives what this
-  /// rank's contribution lost to compression: x - decode(encode(x)) on the blocks it sent, and
-  /// for all_reduce, on its own block, the error of the result's encoding (times size() for
-  /// avg). Adding it to the next call's input (error feedback) keeps the sum of the results
-  /// over steps within one step's error of the sum of the exact results. `stats` (optional) is
-  /// added to: the payload bytes this rank sent and the f32 bytes the same exchange would have
-  /// sent. A world of one rank copies send to recv, sends nothing and leaves a zero residual.
-  /// Buffers, residual and stats of an _async call must stay untouched until its Work completed.
-  ///
-  /// all_reduce: send and recv hold `count` elements (may be the same buffer); rank r reduces
-  /// the r-th part of the even split (sizes differ by at most one, larger first).
-  void all_reduce_compressed(const float* send, float* recv, size_t count, Codec codec, ReduceOp op,
-                             float* residual = nullptr, CompressStats* stats = nullptr);
-  /// reduce_scatter: send holds size() * recv_count elements; rank r receives block r reduced
-  /// (summed in f32 from decoded contributions, not encoded again).
-  void reduce_scatter_compressed(const float* send, float* recv, size_t recv_count, Codec codec, ReduceOp op,
-                                 float* residual = nullptr, CompressStats* stats = nullptr);
-
-  /// Whether allocate_shared works: every rank on this host, over the shm transport.
-  bool can_share_memory() const;
-  /// Collective (every rank calls it, in the same order as its other allocate_shared calls):
-  /// `bytes` of memory every rank maps (SharedMemory). Throws naming the transport when
-  /// can_share_memory() is false; nothing is left in /dev/shm, even after a crash.
-  SharedMemory allocate_shared(size_t bytes);
-  /// reduce_scatter with no copy in: rank q's input, size() * recv_count elements, lies in
-  /// `memory` at byte `offset + q * stride`; each rank reduces its block straight from every
-  /// input, in rank order (the same bits as reduce_scatter). The inputs must be written before
-  /// the call and stay untouched until its Work completed, which it does only after every rank
-  /// has read every input. Ordering, timeout and failure rules are the collectives'.
-  Work reduce_scatter_shared_async(const SharedMemory& memory, size_t offset, size_t stride, void* recv,
-                                   size_t recv_count, DataType dtype, ReduceOp op);
-  /// all_reduce in place with no copy in or out: rank q's vector, `count` elements, lies in
-  /// `memory` at byte `offset + q * stride`. Each rank reduces one slice straight from every
-  /// vector, in rank order (the same bits as all_reduce), and writes it into every vector, so
-  /// the data crosses the memory system once instead of through staging copies. The vectors
-  /// must be written before the call and stay untouched until its Work completed, which it
-  /// does when every vector holds the result. Every rank must pass the same offset and stride
-  /// into the same allocation (not checked: the call records compare dtype, count and op).
-  /// Ordering, timeout and failure rules are the collectives', with one difference: after a
-  /// failure the vectors' contents are undefined, and a peer may still be writing them until
-  /// it sees the abort (at most one 32 KiB block later), since other processes write them.
-  Work all_reduce_shared_async(const SharedMemory& memory, size_t offset, size_t stride, size_t count,
-                               DataType dtype, ReduceOp op);
-  void all_reduce_shared(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
-                         ReduceOp op);
-
   Work all_reduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op);
   Work reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op);
   Work all_gather_async(const void* send, void* recv, size_t send_count, DataType dtype);
   Work broadcast_async(void* buffer, size_t count, DataType dtype, int root);
   Work send_async(const void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
   Work recv_async(void* buffer, size_t count, DataType dtype, int peer, uint32_t tag = 0);
-  Work all_reduce_compressed_async(const float* send, float* recv, size_t count, Codec codec, ReduceOp op,
-                                   float* residual = nullptr, CompressStats* stats = nullptr);
-  Work reduce_scatter_compressed_async(const float* send, float* recv, size_t recv_count, Codec codec, ReduceOp op,
-                                       float* residual = nullptr, CompressStats* stats = nullptr);
 
   struct Impl;
 
  private:
+  friend struct detail::GroupAccess;
   explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   Impl& impl(const char* op) const;  // throws for an empty group
-  Work all_reduce_shared_impl(const SharedMemory& memory, size_t offset, size_t stride, size_t count, DataType dtype,
-                              ReduceOp op, bool blocking);
   std::shared_ptr<Impl> impl_;
 };
 

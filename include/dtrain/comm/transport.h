@@ -37,6 +37,14 @@ class TransportError : public Error {
 
 using RequestId = uint64_t;
 
+/// The transports a group can run over. `automatic` is a request only (GroupOptions): shm when
+/// every rank is on one host, tcp otherwise; `none` is the kind of an empty Group.
+enum class TransportKind : uint8_t { automatic, shm, tcp, mpi, none };
+/// "auto", "shm", "tcp", "mpi", "none".
+const char* name_of(TransportKind kind);
+/// "auto", "shm", "tcp" or "mpi"; throws dtrain::Error naming the text.
+TransportKind parse_transport(const std::string& text);
+
 /// Collectives that a transport runs natively instead of through point-to-point messages:
 /// the shm transport reduces straight from the ranks' shared staging buffers (each byte is
 /// copied into shared memory once and read from there, with no per-hop copies). The result
@@ -56,27 +64,25 @@ class DirectCollectives {
                               Deadline deadline) = 0;
   /// Synchronisation only.
   virtual void barrier(Deadline deadline) = 0;
+};
+
+/// Collectives over memory that every rank of the group maps (shared.h, allocate_shared): only
+/// a transport whose ranks share memory has them (Transport::mapped()). Rules as for
+/// DirectCollectives.
+class MappedCollectives {
+ public:
+  virtual ~MappedCollectives() = default;
   /// reduce_scatter without a copy in: rank q's input (size() * count elements) lies at
-  /// inputs + q * stride bytes, memory every rank maps (Group::allocate_shared). Returns when
-  /// every rank has read its block from every input, so they may be reused then.
-  /// Transports without shared memory throw TransportError(protocol).
+  /// inputs + q * stride bytes. Returns when every rank has read its block from every input,
+  /// so they may be reused then.
   virtual void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
-                                     ReduceOp op, Deadline deadline) {
-    (void)inputs, (void)stride, (void)output, (void)count, (void)dtype, (void)op, (void)deadline;
-    throw TransportError(TransportError::Kind::protocol, {}, "this transport has no shared memory", __FILE__,
-                         __LINE__);
-  }
+                                     ReduceOp op, Deadline deadline) = 0;
   /// all_reduce in place without a copy in or out: rank q's vector (count elements) lies at
-  /// vectors + q * stride bytes, memory every rank maps. Each rank reduces its slice straight
-  /// from every vector, in rank order, and writes the result into every vector. Returns when
-  /// every vector holds the whole result and nobody reads or writes them any more.
-  /// Transports without shared memory throw TransportError(protocol).
+  /// vectors + q * stride bytes. Each rank reduces its slice straight from every vector, in
+  /// rank order, and writes the result into every vector. Returns when every vector holds the
+  /// whole result and nobody reads or writes them any more.
   virtual void all_reduce_mapped(char* vectors, size_t stride, size_t count, DataType dtype, ReduceOp op,
-                                 Deadline deadline) {
-    (void)vectors, (void)stride, (void)count, (void)dtype, (void)op, (void)deadline;
-    throw TransportError(TransportError::Kind::protocol, {}, "this transport has no shared memory", __FILE__,
-                         __LINE__);
-  }
+                                 Deadline deadline) = 0;
 };
 
 class Transport {
@@ -84,8 +90,7 @@ class Transport {
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  /// "shm", "tcp", ... for messages and benchmarks.
-  virtual const char* kind() const = 0;
+  virtual TransportKind kind() const = 0;
 
   /// Queues a message of `bytes` bytes to `peer`. `data` must stay valid until a wait()
   /// covering this request returned.
@@ -105,6 +110,8 @@ class Transport {
   virtual void abort(const std::string& reason) = 0;
   /// The transport's native collectives, or nullptr when it has none.
   virtual DirectCollectives* direct() { return nullptr; }
+  /// Its collectives over memory every rank maps, or nullptr when its ranks share none.
+  virtual MappedCollectives* mapped() { return nullptr; }
 };
 
 class Store;
