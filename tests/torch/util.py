@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -69,8 +70,9 @@ def run_world(fn, n, *args, backend="dtrain", init="tcp", timeout_s=60, join_s=2
     ]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + join_s
     for p in procs:
-        p.join(join_s)
+        p.join(max(0.0, deadline - time.monotonic()))
     failed = []
     for r, p in enumerate(procs):
         if p.is_alive():
