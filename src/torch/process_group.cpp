@@ -208,6 +208,8 @@ comm::Work start_compressed_all_reduce(comm::Group& g, float* data, size_t count
 
 }  // namespace
 
+// An operation as issue() takes it. With both forms it is deferred (work.h), so both must
+// capture what they use by value.
 struct ProcessGroupDtrain::Op {
   OpType type = OpType::UNKNOWN;
   bool collective = true;
@@ -215,13 +217,16 @@ struct ProcessGroupDtrain::Op {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> keep;
   std::function<comm::Work()> start;  // the asynchronous form, where dtrain has one
-  std::function<void()> run;          // else the blocking form, run in the calling thread
+  std::function<void()> run;          // the blocking form, run in the calling thread
   std::function<void()> epilogue;
 };
 
 ProcessGroupDtrain::ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                        BackendOptions options)
-    : c10d::ProcessGroup(rank, size), timeout_(options.timeout), completer_(std::make_shared<Completer>()) {
+    : c10d::ProcessGroup(rank, size),
+      timeout_(options.timeout),
+      completer_(std::make_shared<Completer>()),
+      ordering_(std::make_shared<Ordering>()) {
   TORCH_CHECK_VALUE(options.timeout.count() > 0, "dtrain: the process group's timeout must be positive, got ",
                     options.timeout.count(), " ms");
   auto dstore = wrap_c10d_store(store);
@@ -236,14 +241,22 @@ ProcessGroupDtrain::ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& st
     go.secret = dstore->get("dtrain/secret", go.timeout);
   }
   group_ = comm::Group::create(dstore, rank, size, go, options.name.empty() ? "world" : options.name);
+  if (const char* defer = std::getenv("DTRAIN_TORCH_DEFER"); defer != nullptr && std::string(defer) == "0") {
+    defer_ = false;
+  }
+  ordering_->enroll();
   init();
 }
 
 ProcessGroupDtrain::~ProcessGroupDtrain() {
-  completer_.reset();  // completes the futures asked for (the group still runs their operations)
-  group_ = comm::Group();  // stops its progress thread: no operation touches the tensors below after it
-  std::lock_guard<std::mutex> lock(inflight_mu_);
-  inflight_.clear();
+  {
+    std::lock_guard<std::mutex> lock(ordering_->mu);
+    ordering_->close();  // starts the deferred collective; nothing is deferred after
+  }
+  completer_.reset();      // completes the futures asked for (the group still runs their operations)
+  group_ = comm::Group();  // stops its progress thread: no operation touches the works' tensors after it
+  std::lock_guard<std::mutex> lock(ordering_->mu);
+  ordering_->forget_inflight();
 }
 
 std::chrono::milliseconds ProcessGroupDtrain::call_timeout(std::chrono::milliseconds requested) const {
@@ -257,7 +270,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::issue(Op&& op) {
   work->keep = std::move(op.keep);
   work->epilogue = std::move(op.epilogue);
   if (op.collective) collectives_.fetch_add(1, std::memory_order_relaxed);
-  if (!op.start) {
+  std::lock_guard<std::mutex> lock(ordering_->mu);
+  ordering_->flush();
+  ordering_->flush_others();  // a collective deferred on another group goes first: it was issued first
+  if (op.start && op.run && defer_) {
+    work->start = std::move(op.start);
+    work->run = std::move(op.run);
+    ordering_->defer(work);
+  } else if (op.start) {
+    ordering_->start(work, std::move(op.start));
+  } else {
     std::exception_ptr error;
     try {
       op.run();
@@ -265,20 +287,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::issue(Op&& op) {
       error = std::current_exception();
     }
     work->finish_inline(error);
-    return work;
   }
-  try {
-    work->inner = op.start();
-  } catch (...) {
-    work->finish_inline(std::current_exception());
-    return work;
-  }
-  // Held until dtrain is done with its buffers, even if the caller drops the Work (isend).
-  std::lock_guard<std::mutex> lock(inflight_mu_);
-  inflight_.erase(std::remove_if(inflight_.begin(), inflight_.end(),
-                                 [](const c10::intrusive_ptr<PendingWork>& w) { return w->isCompleted(); }),
-                  inflight_.end());
-  inflight_.push_back(work);
   return work;
 }
 
@@ -296,7 +305,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::broadcast(std::vector<at::Ten
   op.timeout = call_timeout(opts.timeout);
   op.outputs = tensors;
   op.keep = {b.dense};
-  op.start = [&] { return group_.broadcast_async(b.data(), b.count, b.dtype, root); };
+  op.start = [this, b, root] { return group_.broadcast_async(b.data(), b.count, b.dtype, root); };
+  op.run = [this, b, root] { group_.broadcast(b.data(), b.count, b.dtype, root); };
   if (b.copied && rank_ != root) op.epilogue = [b] { b.copy_back(); };
   return issue(std::move(op));
 }
@@ -311,7 +321,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::allreduce(std::vector<at::Ten
   op.timeout = call_timeout(opts.timeout);
   op.outputs = tensors;
   op.keep = {b.dense};
-  op.start = [&] { return group_.all_reduce_async(b.data(), b.data(), b.count, b.dtype, rop); };
+  op.start = [this, b, rop] { return group_.all_reduce_async(b.data(), b.data(), b.count, b.dtype, rop); };
+  op.run = [this, b, rop] { group_.all_reduce(b.data(), b.data(), b.count, b.dtype, rop); };
   if (b.copied) op.epilogue = [b] { b.copy_back(); };
   return issue(std::move(op));
 }
@@ -331,7 +342,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::allreduce_coalesced(std::vect
   op.timeout = call_timeout(opts.timeout);
   op.outputs = tensors;
   op.keep = {b.dense};
-  op.start = [&] { return group_.all_reduce_async(b.data(), b.data(), b.count, b.dtype, rop); };
+  op.start = [this, b, rop] { return group_.all_reduce_async(b.data(), b.data(), b.count, b.dtype, rop); };
+  op.run = [this, b, rop] { group_.all_reduce(b.data(), b.data(), b.count, b.dtype, rop); };
   op.epilogue = [b, tensors] { unpack(b.dense, tensors); };
   return issue(std::move(op));
 }
@@ -372,7 +384,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::allgather(std::vector<std::ve
   op.timeout = call_timeout(opts.timeout);
   op.outputs = outs;
   op.keep = {in.dense, flat};
-  op.start = [&] { return group_.all_gather_async(in.data(), flat.data_ptr(), in.count, in.dtype); };
+  op.start = [this, in, flat] { return group_.all_gather_async(in.data(), flat.data_ptr(), in.count, in.dtype); };
+  op.run = [this, in, flat] { group_.all_gather(in.data(), flat.data_ptr(), in.count, in.dtype); };
   op.epilogue = [flat, outs] { unpack(flat, outs); };
   return issue(std::move(op));
 }
@@ -392,7 +405,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::_allgather_base(at::Tensor& o
   op.timeout = call_timeout(opts.timeout);
   op.outputs = {output};
   op.keep = {in.dense, out.dense};
-  op.start = [&] { return group_.all_gather_async(in.data(), out.data(), in.count, in.dtype); };
+  op.start = [this, in, out] { return group_.all_gather_async(in.data(), out.data(), in.count, in.dtype); };
+  op.run = [this, in, out] { group_.all_gather(in.data(), out.data(), in.count, in.dtype); };
   if (out.copied) op.epilogue = [out] { out.copy_back(); };
   return issue(std::move(op));
 }
@@ -494,7 +508,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::reduce_scatter(std::vector<at
   op.outputs = outputs;
   op.keep = {flat, out.dense};
   if (even) {
-    op.start = [&] { return group_.reduce_scatter_async(flat.data_ptr(), out.data(), out.count, out.dtype, rop); };
+    op.start = [this, flat, out, rop] {
+      return group_.reduce_scatter_async(flat.data_ptr(), out.data(), out.count, out.dtype, rop);
+    };
+    op.run = [this, flat, out, rop] { group_.reduce_scatter(flat.data_ptr(), out.data(), out.count, out.dtype, rop); };
   } else {
     op.run = [&] { group_.reduce_scatter_v(flat.data_ptr(), out.data(), counts, out.dtype, rop); };
   }
@@ -517,7 +534,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::_reduce_scatter_base(at::Tens
   op.timeout = call_timeout(opts.timeout);
   op.outputs = {output};
   op.keep = {in.dense, out.dense};
-  op.start = [&] { return group_.reduce_scatter_async(in.data(), out.data(), out.count, out.dtype, rop); };
+  op.start = [this, in, out, rop] { return group_.reduce_scatter_async(in.data(), out.data(), out.count, out.dtype, rop); };
+  op.run = [this, in, out, rop] { group_.reduce_scatter(in.data(), out.data(), out.count, out.dtype, rop); };
   if (out.copied) op.epilogue = [out] { out.copy_back(); };
   return issue(std::move(op));
 }

@@ -10,19 +10,19 @@
 // copied to a contiguous one and the result copied back. Tensors not on the CPU, sparse
 // tensors and reductions of other dtypes raise an error naming the tensor and what was expected.
 //
-// Operations are issued to the group in the caller's order. all_reduce, reduce_scatter,
-// all_gather, broadcast, send and recv are asynchronous (they run on the group's progress
-// thread); the other collectives run in the calling thread and return a completed Work.
-// Work::wait(timeout) waits up to `timeout` (the group's timeout when 0) and rethrows the
-// operation's error; getFuture() returns a future completed by a thread of the process group
-// when the operation ends (DistributedDataParallel's communication hooks use it).
+// Operations reach the group in the caller's order. all_reduce, reduce_scatter, all_gather
+// and broadcast are deferred until something needs them started (a wait() right away runs
+// them in the calling thread, as dtrain's blocking calls do; see src/torch/work.h), send and
+// recv are posted at once; the other collectives run in the calling thread and return a
+// completed Work. Work::wait(timeout) waits up to `timeout` (the group's timeout when 0) and
+// rethrows the operation's error; getFuture() returns a future completed by a thread of the
+// process group when the operation ends (DistributedDataParallel's communication hooks use it).
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -34,7 +34,7 @@
 namespace dtrain::torch_backend {
 
 class Completer;
-class PendingWork;
+class Ordering;
 
 /// A dtrain Store whose keys live in a c10d::Store (torch's TCPStore, FileStore, HashStore,
 /// PrefixStore), so that dtrain's groups meet wherever torch's process groups meet.
@@ -119,9 +119,9 @@ class ProcessGroupDtrain final : public c10d::ProcessGroup {
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> collectives_{0};
   std::shared_ptr<Completer> completer_;
+  std::shared_ptr<Ordering> ordering_;  // issue order, the deferred collective (src/torch/work.h)
+  bool defer_ = true;                   // DTRAIN_TORCH_DEFER=0: every collective starts at once
   comm::Group group_;
-  std::mutex inflight_mu_;
-  std::vector<c10::intrusive_ptr<PendingWork>> inflight_;  // asynchronous works until they complete
 };
 
 /// The creator torch.distributed.Backend.register_backend calls (extended_api=False).
