@@ -32,9 +32,8 @@ ProcessGroupDtrain = _C.ProcessGroupDtrain
 def _create(options, pg_options):
     if pg_options is not None:
         raise ValueError("the dtrain backend takes no pg_options")
-    name = options.group_id or "world"
-    if name != "world":
-        name = "group" + name
+    # torch numbers its groups: "0" (or "") is the default group, new_group()s count from 1.
+    name = "world" if options.group_id in ("", "0") else "group" + options.group_id
     return _C._create(options.store, options.group_rank, options.group_size, options.timeout, name)
 
 
