@@ -52,9 +52,10 @@ def _child(fn, rank, n, backend, init_method, timeout_s, args, errors):
     os._exit(0)
 
 
-def run_world(fn, n, *args, backend="dtrain", init="tcp", timeout_s=60, join_s=240):
+def run_world(fn, n, *args, backend="dtrain", init="tcp", timeout_s=60, join_s=240, expect_codes=None):
     """Runs fn(rank, n, *args) on n forked processes, each in a world of `backend` met through
-    init_method tcp:// or file://; raises AssertionError with every failing rank's traceback."""
+    init_method tcp:// or file://; raises AssertionError with every failing rank's traceback.
+    expect_codes: {rank: exit code} for ranks meant to end otherwise (-9: killed)."""
     tmp = None
     if init == "tcp":
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -82,9 +83,10 @@ def run_world(fn, n, *args, backend="dtrain", init="tcp", timeout_s=60, join_s=2
     while not errors.empty():
         failed.append(errors.get())
     codes = [p.exitcode for p in procs]
-    if failed or any(c != 0 for c in codes):
+    want = [(expect_codes or {}).get(r, 0) for r in range(n)]
+    if failed or codes != want:
         text = "\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(failed))
-        raise AssertionError(f"world of {n} failed (exit codes {codes}):\n{text}")
+        raise AssertionError(f"world of {n} failed (exit codes {codes}, expected {want}):\n{text}")
 
 
 def dtrain_binary():
