@@ -3,7 +3,9 @@
 1. kill -9 of one rank (rank 2) of a 4-process DDP job: every other rank's next backward raises
    within the process group's timeout, naming rank 2, over dtrain's shm and tcp transports.
    (gloo: printed, not asserted.)
-2. rank 0 calls all_reduce while rank 1 calls broadcast: both ranks raise, each naming both
+2. a stopped rank (SIGSTOP, rank 1 of 3): the others raise at the process group's timeout
+   (3 s here), naming it. (gloo: printed.)
+3. rank 0 calls all_reduce while rank 1 calls broadcast: both ranks raise, each naming both
    operations, and each writes its flight record (DTRAIN_FLIGHT_DIR/rank-R.json) naming the
    call it was in. (gloo: printed, not asserted.)
 """
@@ -59,6 +61,27 @@ def kill_one(rank, n, backend, report, killed_at):
     raise AssertionError(f"rank {rank} trained on after rank {VICTIM} died")
 
 
+def stop_one(rank, n, backend, report, stopped_pid):
+    x = torch.ones(1000)
+    dist.all_reduce(x)
+    if rank == 1:
+        stopped_pid.value = os.getpid()
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it raised
+    t0 = time.time()
+    try:
+        dist.all_reduce(x)
+        raise AssertionError(f"rank {rank}: all_reduce returned while rank 1 is stopped")
+    except RuntimeError as e:
+        took = time.time() - t0
+        report.put((rank, took, str(e).splitlines()[0][:300]))
+        if backend == "dtrain":
+            util.check(2.9 <= took < 10, "rank", rank, "raised after", took)
+            util.check("rank(s) 1" in str(e), "rank", rank, "does not name rank 1:", e)
+    if rank == 0:
+        os.kill(int(stopped_pid.value), signal.SIGKILL)
+    leave(report)
+
+
 def mismatch(rank, n, backend, report, _):
     x = torch.ones(1000)
     t0 = time.time()
@@ -80,14 +103,14 @@ def mismatch(rank, n, backend, report, _):
     leave(report)
 
 
-def run(fn, n, backend, timeout_s, expect_codes=None):
+def run(fn, n, backend, timeout_s, expect_codes=None, join_s=240):
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     report, when = ctx.Queue(), ctx.Value("d", 0.0)
     # file://: the store outlives the ranks that leave early (tcp:// has rank 0 serve it).
     util.run_world(fn, n, backend, report, when, backend=backend, init="file", timeout_s=timeout_s,
-                   expect_codes=expect_codes)
+                   expect_codes=expect_codes, join_s=join_s)
     out = []
     while not report.empty():
         out.append(report.get())
@@ -104,6 +127,14 @@ def main():
             util.check(sorted(r for r, _, _ in got) == [r for r in range(4) if r != VICTIM], "ranks that raised", got)
         print(f"kill -9 of rank {VICTIM} of 4 in DDP, {backend}{' over ' + transport if backend == 'dtrain' else ''}:",
               flush=True)
+        for r, took, message in got:
+            print(f"  rank {r} raised after {took:.2f} s: {message}", flush=True)
+
+    for backend in ("dtrain", "gloo"):
+        got = run(stop_one, 3, backend, 3, expect_codes={1: -9}, join_s=30)
+        if backend == "dtrain":
+            util.check(sorted(r for r, _, _ in got) == [0, 2], "ranks that raised", got)
+        print(f"rank 1 of 3 stopped (SIGSTOP), timeout 3 s, {backend}:", flush=True)
         for r, took, message in got:
             print(f"  rank {r} raised after {took:.2f} s: {message}", flush=True)
 
