@@ -136,7 +136,8 @@ def coll_world(backend, n, a):
             raise RuntimeError(f"{backend} x{n}: a rank exited with {p.exitcode}")
     rows = {}
     for nbytes in per_rank[0]:
-        slowest = [max(per_rank[r][nbytes]["times"][k] for r in range(n)) for k in range(len(per_rank[0][nbytes]["times"]))]
+        iters = len(per_rank[0][nbytes]["times"])
+        slowest = [max(per_rank[r][nbytes]["times"][k] for r in range(n)) for k in range(iters)]
         p50 = percentile(slowest, 0.5)
         rows[nbytes] = {"p50_us": p50 * 1e6, "busbw_GBs": nbytes / p50 * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0,
                         "wrong": sum(per_rank[r][nbytes]["wrong"] for r in range(n))}

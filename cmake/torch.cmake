@@ -36,7 +36,7 @@ message(STATUS "dtrain: torch.distributed backend dtrain_torch for ${Python3_EXE
 
 # libtorch's imported targets carry its include directories, which CMake passes as -isystem:
 # their warnings do not trip -Werror.
-add_library(dtrain_torch STATIC src/torch/process_group.cpp src/torch/store.cpp src/torch/work.cpp)
+add_library(dtrain_torch STATIC src/torch/fault.cpp src/torch/process_group.cpp src/torch/store.cpp src/torch/work.cpp)
 target_link_libraries(dtrain_torch PUBLIC dtrain_comm torch)
 target_compile_options(dtrain_torch PRIVATE -O2)
 
@@ -45,7 +45,8 @@ pybind11_add_module(dtrain_torch_python MODULE NO_EXTRAS python/dtrain_torch/mod
 # torch_python holds the Python type casters of tensors; its headers are under TORCH_INCLUDE_DIRS.
 find_library(DTRAIN_TORCH_PYTHON_LIBRARY torch_python HINTS ${TORCH_INSTALL_PREFIX}/lib)
 target_link_libraries(dtrain_torch_python PRIVATE dtrain_torch ${DTRAIN_TORCH_PYTHON_LIBRARY})
-set_target_properties(dtrain_torch_python PROPERTIES OUTPUT_NAME _C LIBRARY_OUTPUT_DIRECTORY ${DTRAIN_TORCH_PACKAGE_DIR})
+set_target_properties(dtrain_torch_python PROPERTIES OUTPUT_NAME _C
+  LIBRARY_OUTPUT_DIRECTORY ${DTRAIN_TORCH_PACKAGE_DIR})
 
 # The package's Python files next to the module.
 file(GLOB DTRAIN_TORCH_PY CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/python/dtrain_torch/*.py)

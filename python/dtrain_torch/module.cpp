@@ -50,7 +50,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_create",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-         const std::string& name) { return dtrain::torch_backend::create_process_group(store, rank, size, timeout, name); },
+         const std::string& name) {
+        return dtrain::torch_backend::create_process_group(store, rank, size, timeout, name);
+      },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("name") = "",
       py::call_guard<py::gil_scoped_release>());
 

@@ -10,10 +10,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 
+#include "fault.h"
 #include "work.h"
 
 namespace dtrain::torch_backend {
@@ -244,6 +246,9 @@ ProcessGroupDtrain::ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& st
   if (const char* defer = std::getenv("DTRAIN_TORCH_DEFER"); defer != nullptr && std::string(defer) == "0") {
     defer_ = false;
   }
+  if (options.name.empty() || options.name == "world") {
+    if (auto plan = FaultPlan::from_env(rank); !plan.empty()) faults_ = std::make_shared<const FaultPlan>(plan);
+  }
   ordering_->enroll();
   init();
 }
@@ -264,12 +269,15 @@ std::chrono::milliseconds ProcessGroupDtrain::call_timeout(std::chrono::millisec
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::issue(Op&& op) {
-  auto work = c10::make_intrusive<PendingWork>(rank_, op.type, op.timeout > std::chrono::milliseconds::zero() ? op.timeout : timeout_,
-                                               completer_);
+  const auto timeout = op.timeout > std::chrono::milliseconds::zero() ? op.timeout : timeout_;
+  auto work = c10::make_intrusive<PendingWork>(rank_, op.type, timeout, completer_);
   work->outputs = std::move(op.outputs);
   work->keep = std::move(op.keep);
   work->epilogue = std::move(op.epilogue);
-  if (op.collective) collectives_.fetch_add(1, std::memory_order_relaxed);
+  if (op.collective) {
+    const uint64_t n = collectives_.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (faults_) faults_->at_collective(n);
+  }
   std::lock_guard<std::mutex> lock(ordering_->mu);
   ordering_->flush();
   ordering_->flush_others();  // a collective deferred on another group goes first: it was issued first
@@ -534,7 +542,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::_reduce_scatter_base(at::Tens
   op.timeout = call_timeout(opts.timeout);
   op.outputs = {output};
   op.keep = {in.dense, out.dense};
-  op.start = [this, in, out, rop] { return group_.reduce_scatter_async(in.data(), out.data(), out.count, out.dtype, rop); };
+  op.start = [this, in, out, rop] {
+    return group_.reduce_scatter_async(in.data(), out.data(), out.count, out.dtype, rop);
+  };
   op.run = [this, in, out, rop] { group_.reduce_scatter(in.data(), out.data(), out.count, out.dtype, rop); };
   if (out.copied) op.epilogue = [out] { out.copy_back(); };
   return issue(std::move(op));
@@ -552,7 +562,9 @@ void all_to_all_padded(comm::Group& g, const std::vector<const char*>& send_ptr,
                        const std::vector<char*>& recv_ptr, const std::vector<size_t>& recv_bytes) {
   const size_t n = send_ptr.size();
   int64_t slot = 0;
-  for (size_t j = 0; j < n; ++j) slot = std::max<int64_t>(slot, static_cast<int64_t>(std::max(send_bytes[j], recv_bytes[j])));
+  for (size_t j = 0; j < n; ++j) {
+    slot = std::max<int64_t>(slot, static_cast<int64_t>(std::max(send_bytes[j], recv_bytes[j])));
+  }
   g.all_reduce(&slot, &slot, 1, comm::DataType::i64, comm::ReduceOp::max);
   const auto s = static_cast<size_t>(slot);
   std::vector<char> send(n * s), recv(n * s);
@@ -600,8 +612,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::alltoall_base(at::Tensor& out
   op.type = OpType::ALLTOALL_BASE;
   op.outputs = {output};
   if (output_split_sizes.empty() && input_split_sizes.empty()) {
-    TORCH_CHECK_VALUE(input.numel() % size_ == 0 && output.numel() == input.numel(), "dtrain all_to_all_single: input (",
-                      input.numel(), " elements) and output (", output.numel(),
+    TORCH_CHECK_VALUE(input.numel() % size_ == 0 && output.numel() == input.numel(),
+                      "dtrain all_to_all_single: input (", input.numel(), " elements) and output (", output.numel(),
                       ") must have the same size, a multiple of the group's ", size_);
     op.run = [&] { group_.all_to_all(in.data(), out.data(), in.count / static_cast<size_t>(size_), in.dtype); };
   } else {

@@ -45,7 +45,8 @@ class C10dBackedStore final : public comm::Store {
   }
   std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
     std::string value;
-    guard("compare_set", key, [&] { value = string_of(store_->compareSet(key, bytes_of(expected), bytes_of(desired))); });
+    guard("compare_set", key,
+          [&] { value = string_of(store_->compareSet(key, bytes_of(expected), bytes_of(desired))); });
     return value;
   }
   void wait(const std::vector<std::string>& keys, comm::Duration timeout) override {

@@ -35,7 +35,8 @@ def final(proc, what):
 
 def train(job, world, backend, extra=(), launched=False):
     args = JOBS[job] + ["--dp", str(world), "--batch-size", str(PER_RANK[job] * world), "--steps", str(STEPS),
-                        "--optimizer", "sgd", "--threads", "1", "--backend", backend, "--pg-timeout", "120"] + list(extra)
+                        "--optimizer", "sgd", "--threads", "1", "--backend", backend, "--pg-timeout", "120"]
+    args += list(extra)
     what = f"{job} x{world} {backend} {' '.join(extra)}{' (dtrain launch)' if launched else ''}"
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["DTRAIN_TORCH_PATH"] = os.path.join(os.path.dirname(dtrain_torch_dir()))

@@ -5,7 +5,9 @@
    (gloo: printed, not asserted.)
 2. a stopped rank (SIGSTOP, rank 1 of 3): the others raise at the process group's timeout
    (3 s here), naming it. (gloo: printed.)
-3. rank 0 calls all_reduce while rank 1 calls broadcast: both ranks raise, each naming both
+3. DTRAIN_FAULT=kill:rank=1:step=3 (a step is a collective of the world in a torch job): rank 1
+   dies as it issues its third all_reduce; rank 0 raises naming it.
+4. rank 0 calls all_reduce while rank 1 calls broadcast: both ranks raise, each naming both
    operations, and each writes its flight record (DTRAIN_FLIGHT_DIR/rank-R.json) naming the
    call it was in. (gloo: printed, not asserted.)
 """
@@ -82,6 +84,19 @@ def stop_one(rank, n, backend, report, stopped_pid):
     leave(report)
 
 
+def injected(rank, n, backend, report, _):
+    x = torch.ones(10)
+    for i in range(1, 10):
+        try:
+            dist.all_reduce(x)
+        except RuntimeError as e:
+            util.check(rank == 0 and i == 3, "rank", rank, "raised at collective", i, e)
+            util.check("rank 1" in str(e), "does not name rank 1:", e)
+            report.put((rank, i, str(e).splitlines()[0][:300]))
+            leave(report)
+    raise AssertionError(f"rank {rank} went on after rank 1's fault")
+
+
 def mismatch(rank, n, backend, report, _):
     x = torch.ones(1000)
     t0 = time.time()
@@ -137,6 +152,12 @@ def main():
         print(f"rank 1 of 3 stopped (SIGSTOP), timeout 3 s, {backend}:", flush=True)
         for r, took, message in got:
             print(f"  rank {r} raised after {took:.2f} s: {message}", flush=True)
+
+    os.environ["DTRAIN_FAULT"] = "kill:rank=1:step=3"
+    got = run(injected, 2, "dtrain", TIMEOUT_S, expect_codes={1: -9})
+    del os.environ["DTRAIN_FAULT"]
+    util.check(len(got) == 1, "rank 0 reports", got)
+    print(f"DTRAIN_FAULT=kill:rank=1:step=3: rank 0 raised at its collective {got[0][1]}: {got[0][2]}", flush=True)
 
     with tempfile.TemporaryDirectory() as flight:
         os.environ["DTRAIN_FLIGHT_DIR"] = flight

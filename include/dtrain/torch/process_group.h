@@ -34,6 +34,7 @@
 namespace dtrain::torch_backend {
 
 class Completer;
+class FaultPlan;
 class Ordering;
 
 /// A dtrain Store whose keys live in a c10d::Store (torch's TCPStore, FileStore, HashStore,
@@ -73,8 +74,8 @@ class ProcessGroupDtrain final : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
@@ -121,6 +122,7 @@ class ProcessGroupDtrain final : public c10d::ProcessGroup {
   std::shared_ptr<Completer> completer_;
   std::shared_ptr<Ordering> ordering_;  // issue order, the deferred collective (src/torch/work.h)
   bool defer_ = true;                   // DTRAIN_TORCH_DEFER=0: every collective starts at once
+  std::shared_ptr<const FaultPlan> faults_;  // DTRAIN_FAULT, on the world group (src/torch/fault.h)
   comm::Group group_;
 };
 
