@@ -17,6 +17,12 @@ every global batch of one shared shuffled order, as dtrain does). `--dp 1` is on
 without a process group or DDP wrapper (the baseline for scaling efficiency), timed the same
 way. Each step is timed, and the final record adds the rate over the steps after `--warmup`.
 Without `--dp` the single-process behaviour above is unchanged.
+
+`--backend dtrain` runs the same DDP program on dtrain's torch.distributed backend instead of
+gloo (`import dtrain_torch` from `--dtrain-python`, default build/release/python). `--model
+resnet18` is torchvision's ResNet-18 (10 classes) on generated images (`--image-size`, a fixed
+set of `--images` N(0, 1) images with random labels from `--seed`), with SGD or AdamW like the
+others. The final record's `losses` lists rank 0's loss at every step.
 """
 import argparse
 import datetime
@@ -176,9 +182,14 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def make_optimizer(args, params):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr)
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
 def train(args, model, num_train, get_batch, loss_fn, tokens_per_sample):
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=0.0)
+    opt = make_optimizer(args, model.parameters())
     gen = torch.Generator().manual_seed(args.seed + 1)
     steps_per_epoch = num_train // args.batch_size
     if steps_per_epoch < 1:
@@ -208,7 +219,7 @@ def train(args, model, num_train, get_batch, loss_fn, tokens_per_sample):
            "threads": torch.get_num_threads(), "steps": args.steps, "batch_size": args.batch_size,
            "train_loss": sum(tail) / len(tail), "train_time_s": train_time,
            "samples_per_s": samples_per_s,
-           "params": sum(p.numel() for p in model.parameters())}
+           "params": sum(p.numel() for p in model.parameters()), "losses": losses}
     if tokens_per_sample:
         out["tokens_per_s"] = samples_per_s * tokens_per_sample
     return out
@@ -291,8 +302,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+def generated_images(args):
+    """--images images of 3 x S x S, N(0, 1), random labels of 10 classes, from --seed."""
+    g = torch.Generator().manual_seed(args.seed + 2)
+    S = args.image_size
+    x = torch.randn(args.images, 3, S, S, generator=g)
+    y = torch.randint(0, 10, (args.images,), generator=g)
+    return x, y
+
+
+def resnet18():
+    import torchvision  # Debian's python3-torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
 def dp_setup(args):
     """Model, data and per-rank batch function of --model, built the same on every rank."""
+    if args.model == "resnet18":
+        x, y = generated_images(args)
+        torch.manual_seed(args.seed)
+        return resnet18(), x.shape[0], (lambda i: (x[i], y[i])), F.cross_entropy, 0, None
     if args.model == "mlp":
         xtr, ytr, xte, yte = load_fashion(args.data_dir or FASHION_DIR)
         torch.manual_seed(args.seed)
@@ -310,6 +340,8 @@ def dp_setup(args):
 def dp_evaluate(args, model, held_out):
     """Rank 0 only, after training: test accuracy (mlp) or val loss (gpt) as run_mlp/run_gpt."""
     out = {}
+    if args.model == "resnet18":
+        return out
     if args.model == "mlp":
         out["test_accuracy"] = mlp_accuracy(model, *held_out)
     else:
@@ -324,19 +356,31 @@ def dp_worker(rank, args, port):
     if world > 1:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.pg_timeout))
+        if args.backend == "dtrain":
+            sys.path.insert(0, args.dtrain_python)
+            import dtrain_torch  # noqa: F401  registers the backend "dtrain"
+        if port:  # else under a launcher (dtrain launch, torchrun): env://
+            init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        else:
+            init = {}
+        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout), **init)
     model, num_train, get_batch, loss_fn, tokens_per_sample, held_out = dp_setup(args)
     params = sum(p.numel() for p in model.parameters())
     net = model
     if world > 1:
         # The GPT's causal mask is a constant bool buffer, the same on every rank, and gloo cannot
-        # broadcast bool: DDP leaves it alone (dtrain has no buffers to sync either).
-        buffers = [n for n, _ in model.named_buffers()]
+        # broadcast bool: DDP leaves it alone (dtrain has no buffers to sync either). ResNet-18's
+        # BatchNorm statistics are broadcast from rank 0 at every step, as DDP does by default.
+        buffers = [n for n, _ in model.named_buffers()] if args.model != "resnet18" else []
         if buffers:
             DDP._set_params_and_buffers_to_ignore_for_model(model, buffers)
         net = DDP(model, bucket_cap_mb=args.bucket_mb)  # broadcasts rank 0's parameters
-    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        if args.comm_hook == "allreduce":  # torch's own hook: the bucket's all_reduce through its future
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            net.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif args.comm_hook != "none":  # dtrain's compressed all_reduce with error feedback
+            net.register_comm_hook(dtrain_torch.CompressionState(args.comm_hook), dtrain_torch.compression_hook)
+    opt = make_optimizer(args, net.parameters())
     B = args.batch_size
     b = B // world
     gen = torch.Generator().manual_seed(args.seed + 1)  # same order on every rank
@@ -375,7 +419,7 @@ def dp_worker(rank, args, port):
         samples_per_s = args.steps * B / train_time
         rate_after = (args.steps - warm) * B / timed
         out = {"event": "final", "impl": "torch", "torch_version": torch.__version__, "model": args.model,
-               "world": world, "ddp": world > 1, "backend": "gloo" if world > 1 else None,
+               "world": world, "ddp": world > 1, "backend": args.backend if world > 1 else None,
                "bucket_mb": args.bucket_mb if world > 1 else None, "threads": torch.get_num_threads(),
                "steps": args.steps, "batch_size": B, "batch_per_rank": b, "warmup": warm,
                "train_loss": sum(e[2].item() for e in everyone) / world,
@@ -384,7 +428,7 @@ def dp_worker(rank, args, port):
                "train_time_s_per_rank": [e[0].item() for e in everyone],
                "peak_rss_bytes_per_rank": [int(e[3].item()) for e in everyone],
                "step_time_s_median": sorted(step_times[warm:])[len(step_times[warm:]) // 2],
-               "params": params}
+               "params": params, "optimizer": args.optimizer, "comm_hook": args.comm_hook, "losses": losses}
         if tokens_per_sample:
             out["tokens_per_s"] = samples_per_s * tokens_per_sample
             out["tokens_per_s_after_warmup"] = rate_after * tokens_per_sample
@@ -399,8 +443,8 @@ def dp_worker(rank, args, port):
 
 
 def run_dp(args):
-    if args.model not in ("mlp", "gpt"):
-        sys.exit("--dp needs --model mlp or gpt")
+    if args.model not in ("mlp", "gpt", "resnet18"):
+        sys.exit("--dp needs --model mlp, gpt or resnet18")
     if args.dp < 1 or args.batch_size % args.dp:
         sys.exit(f"--batch-size {args.batch_size} must be a multiple of --dp {args.dp} (>= 1)")
     if args.steps < 1:
@@ -409,13 +453,19 @@ def run_dp(args):
         dp_worker(0, args, 0)
         return
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if args.launched:  # this process is one rank of a world a launcher started
+        rank = int(os.environ["RANK"])
+        if int(os.environ["WORLD_SIZE"]) != args.dp:
+            sys.exit(f"--dp {args.dp} but WORLD_SIZE={os.environ['WORLD_SIZE']}")
+        dp_worker(rank, args, 0)
+        return
     import torch.multiprocessing as mp
     mp.spawn(dp_worker, args=(args, free_port()), nprocs=args.dp, join=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["mlp", "gpt", "gemm"], default="mlp")
+    p.add_argument("--model", choices=["mlp", "gpt", "gemm", "resnet18"], default="mlp")
     p.add_argument("--hidden", default="1024,1024", help="MLP hidden widths")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -423,7 +473,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=None, help="default 64 (mlp), 16 (gpt)")
-    p.add_argument("--optimizer", choices=["adamw"], default="adamw")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 (mlp), 3e-4 (gpt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=0, help="gpt: validation batches (0 = all)")
@@ -436,12 +486,28 @@ def main():
     p.add_argument("--warmup", type=int, default=0, help="--dp: steps left out of samples_per_s_after_warmup")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="--dp: DDP bucket_cap_mb")
     p.add_argument("--pg-timeout", type=float, default=300.0, help="--dp: process group timeout (s)")
+    p.add_argument("--backend", choices=["gloo", "dtrain"], default="gloo", help="--dp: torch.distributed backend")
+    p.add_argument("--dtrain-python", default=os.environ.get(
+        "DTRAIN_TORCH_PATH", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build",
+                                          "release", "python")),
+        help="--backend dtrain: the folder holding the dtrain_torch package")
+    p.add_argument("--launched", action="store_true",
+                   help="--dp: started by a launcher (dtrain launch, torchrun) as one rank: env:// rendezvous")
+    p.add_argument("--comm-hook", choices=["none", "allreduce", "bf16", "fp16", "int8", "int4"], default="none",
+                   help="--dp: DDP communication hook: torch's allreduce_hook, or dtrain_torch.compression_hook "
+                        "with that codec (--backend dtrain)")
+    p.add_argument("--image-size", type=int, default=32, help="resnet18: image side")
+    p.add_argument("--images", type=int, default=2048, help="resnet18: generated images")
     args = p.parse_args()
     args.hidden = [int(h) for h in args.hidden.split(",") if h]
     if args.batch_size is None:
-        args.batch_size = 16 if args.model == "gpt" else 64
+        args.batch_size = {"gpt": 16, "resnet18": 16}.get(args.model, 64)
     if args.lr is None:
         args.lr = 3e-4 if args.model == "gpt" else 1e-3
+    if args.comm_hook not in ("none", "allreduce") and args.backend != "dtrain":
+        sys.exit(f"--comm-hook {args.comm_hook} is dtrain's compressed all_reduce: it needs --backend dtrain")
+    if args.model == "resnet18" and args.dp is None:
+        sys.exit("--model resnet18 runs with --dp N (N >= 1)")
     torch.set_num_threads(args.threads)
     if args.dp is not None:
         run_dp(args)  # prints its own record (rank 0)
