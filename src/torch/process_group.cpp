@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 
+#include "dtrain/comm/compressed.h"
 #include "fault.h"
 #include "work.h"
 
@@ -201,11 +202,10 @@ void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& outputs) {
   }
 }
 
-// The one call of dtrain's compressed all_reduce (it moves to a free function in
-// comm/compressed.h; only this line changes then).
+// The one call of dtrain's compressed all_reduce (comm/compressed.h).
 comm::Work start_compressed_all_reduce(comm::Group& g, float* data, size_t count, comm::Codec codec,
                                        comm::ReduceOp op, float* residual) {
-  return g.all_reduce_compressed_async(data, data, count, codec, op, residual, nullptr);
+  return comm::all_reduce_compressed_async(g, data, data, count, codec, op, residual, nullptr);
 }
 
 }  // namespace
