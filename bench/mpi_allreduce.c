@@ -31,15 +31,24 @@
 
 #define PATTERN 17
 
-static size_t parse_bytes(const char *s) {
-  char *end = NULL;
+static size_t parse_bytes(const char* s) {
+  char* end = NULL;
   double v = strtod(s, &end);
   size_t mul = 1;
   if (end && *end) {
     switch (*end) {
-      case 'k': case 'K': mul = (size_t)1 << 10; break;
-      case 'm': case 'M': mul = (size_t)1 << 20; break;
-      case 'g': case 'G': mul = (size_t)1 << 30; break;
+      case 'k':
+      case 'K':
+        mul = (size_t)1 << 10;
+        break;
+      case 'm':
+      case 'M':
+        mul = (size_t)1 << 20;
+        break;
+      case 'g':
+      case 'G':
+        mul = (size_t)1 << 30;
+        break;
       default:
         fprintf(stderr, "mpi_allreduce: bad size '%s'\n", s);
         exit(2);
@@ -48,14 +57,14 @@ static size_t parse_bytes(const char *s) {
   return (size_t)(v * (double)mul);
 }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
+static int cmp_double(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
   return (x > y) - (x < y);
 }
 
 /* Percentile of sorted v[0..n), q in [0, 1], linear interpolation between closest ranks
  * (numpy's default; the rule `dtrain bench collectives` uses). */
-static double percentile(const double *v, int n, double q) {
+static double percentile(const double* v, int n, double q) {
   double pos = q * (double)(n - 1);
   int lo = (int)pos;
   int hi = lo + 1 < n ? lo + 1 : n - 1;
@@ -68,7 +77,7 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static void fill(float *x, size_t count, int rank) {
+static void fill(float* x, size_t count, int rank) {
   int j = (int)((3 * (size_t)rank) % PATTERN);
   for (size_t i = 0; i < count; ++i) {
     x[i] = (float)(j - 8);
@@ -76,7 +85,7 @@ static void fill(float *x, size_t count, int rank) {
   }
 }
 
-static long long count_wrong(const float *x, size_t count, const float *expect) {
+static long long count_wrong(const float* x, size_t count, const float* expect) {
   long long wrong = 0;
   int j = 0;
   for (size_t i = 0; i < count; ++i) {
@@ -107,7 +116,7 @@ static double memcpy_gbs(void) {
 }
 
 /* The value of an MCA variable as the library sees it (MPI_T), written into out as text. */
-static void cvar_text(const char *name, char *out, size_t n) {
+static void cvar_text(const char* name, char* out, size_t n) {
   snprintf(out, n, "?");
   int idx;
   if (MPI_T_cvar_get_index(name, &idx) != MPI_SUCCESS) return;
@@ -124,7 +133,7 @@ static void cvar_text(const char *name, char *out, size_t n) {
     if (dt == MPI_CHAR) {
       snprintf(out, n, "%s", buf);
     } else if (dt == MPI_INT || dt == MPI_C_BOOL) {
-      int v = dt == MPI_INT ? *(int *)buf : (int)*(_Bool *)buf;
+      int v = dt == MPI_INT ? *(int*)buf : (int)*(_Bool*)buf;
       snprintf(out, n, "%d", v);
       int items;
       if (en != MPI_T_ENUM_NULL && MPI_T_enum_get_info(en, &items, vname, &vlen) == MPI_SUCCESS) {
@@ -139,30 +148,44 @@ static void cvar_text(const char *name, char *out, size_t n) {
         }
       }
     } else if (dt == MPI_UNSIGNED) {
-      snprintf(out, n, "%u", *(unsigned *)buf);
+      snprintf(out, n, "%u", *(unsigned*)buf);
     } else if (dt == MPI_UNSIGNED_LONG || dt == MPI_UNSIGNED_LONG_LONG) {
-      snprintf(out, n, "%llu", dt == MPI_UNSIGNED_LONG ? (unsigned long long)*(unsigned long *)buf
-                                                       : *(unsigned long long *)buf);
+      snprintf(out, n, "%llu",
+               dt == MPI_UNSIGNED_LONG ? (unsigned long long)*(unsigned long*)buf : *(unsigned long long*)buf);
     }
   }
   MPI_T_cvar_handle_free(&h);
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   size_t min_bytes = 8, max_bytes = (size_t)256 << 20;
   int iters = 20, warmup = 5, check = 0;
-  const char *json = NULL;
+  const char* json = NULL;
   for (int i = 1; i < argc; ++i) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "--check")) { check = 1; continue; }
-    if (!v) { fprintf(stderr, "mpi_allreduce: %s needs a value\n", a); return 2; }
-    if (!strcmp(a, "--min-bytes")) min_bytes = parse_bytes(v);
-    else if (!strcmp(a, "--max-bytes")) max_bytes = parse_bytes(v);
-    else if (!strcmp(a, "--iters")) iters = atoi(v);
-    else if (!strcmp(a, "--warmup")) warmup = atoi(v);
-    else if (!strcmp(a, "--json")) json = v;
-    else { fprintf(stderr, "mpi_allreduce: unknown option %s\n", a); return 2; }
+    const char* a = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--check")) {
+      check = 1;
+      continue;
+    }
+    if (!v) {
+      fprintf(stderr, "mpi_allreduce: %s needs a value\n", a);
+      return 2;
+    }
+    if (!strcmp(a, "--min-bytes"))
+      min_bytes = parse_bytes(v);
+    else if (!strcmp(a, "--max-bytes"))
+      max_bytes = parse_bytes(v);
+    else if (!strcmp(a, "--iters"))
+      iters = atoi(v);
+    else if (!strcmp(a, "--warmup"))
+      warmup = atoi(v);
+    else if (!strcmp(a, "--json"))
+      json = v;
+    else {
+      fprintf(stderr, "mpi_allreduce: unknown option %s\n", a);
+      return 2;
+    }
     ++i;
   }
   if (min_bytes < 4 || max_bytes < min_bytes || iters < 1 || warmup < 0) {
@@ -201,8 +224,8 @@ int main(int argc, char **argv) {
     MPI_T_finalize();
   }
 
-  const char *forced = getenv("OMPI_MCA_coll_tuned_allreduce_algorithm");
-  const char *dyn = getenv("OMPI_MCA_coll_tuned_use_dynamic_rules");
+  const char* forced = getenv("OMPI_MCA_coll_tuned_allreduce_algorithm");
+  const char* dyn = getenv("OMPI_MCA_coll_tuned_use_dynamic_rules");
   char algo[64];
   if (forced && dyn && atoi(dyn) != 0)
     snprintf(algo, sizeof algo, "tuned:%s", forced);
@@ -210,9 +233,9 @@ int main(int argc, char **argv) {
     snprintf(algo, sizeof algo, "default");
 
   size_t max_count = max_bytes / sizeof(float);
-  float *buf = malloc(max_count * sizeof(float));
-  double *t = malloc((size_t)iters * sizeof(double));
-  double *tmax = malloc((size_t)iters * sizeof(double));
+  float* buf = malloc(max_count * sizeof(float));
+  double* t = malloc((size_t)iters * sizeof(double));
+  double* tmax = malloc((size_t)iters * sizeof(double));
   if (!buf || !t || !tmax) {
     fprintf(stderr, "mpi_allreduce: out of memory\n");
     MPI_Abort(MPI_COMM_WORLD, 1);
@@ -224,7 +247,7 @@ int main(int argc, char **argv) {
     expect[j] = (float)s;
   }
 
-  FILE *out = NULL;
+  FILE* out = NULL;
   if (rank == 0 && json) {
     out = fopen(json, "w");
     if (!out) {
@@ -235,7 +258,7 @@ int main(int argc, char **argv) {
     char lib[MPI_MAX_LIBRARY_VERSION_STRING];
     MPI_Get_version(&major, &minor);
     MPI_Get_library_version(lib, &len);
-    char *nl = strchr(lib, ','); /* "Open MPI v4.1.4, package: ..." -> "Open MPI v4.1.4" */
+    char* nl = strchr(lib, ','); /* "Open MPI v4.1.4, package: ..." -> "Open MPI v4.1.4" */
     if (nl) *nl = 0;
     fprintf(out,
             "{\"tool\":\"openmpi\",\"op\":\"allreduce\",\"world\":%d,\"transport\":\"shm\","
@@ -246,11 +269,12 @@ int main(int argc, char **argv) {
             world, memcpy_GBs, lib, iters, warmup, pml, btl, yield, oversub, single_copy);
   }
   if (rank == 0) {
-    printf("# openmpi allreduce  world %d  f32 sum  in-place  iters %d warmup %d  memcpy %.2f GB/s\n"
-           "# pml %s  btl %s  mpi_yield_when_idle %s  mpi_oversubscribe %s  vader single copy %s\n",
-           world, iters, warmup, memcpy_GBs, pml, btl, yield, oversub, single_copy);
-    printf("#%11s %12s %6s %6s %10s %10s %10s %10s %10s %8s\n", "size", "count", "type", "redop",
-           "algo", "p50_us", "p99_us", "algbw_GBs", "busbw_GBs", "wrong");
+    printf(
+        "# openmpi allreduce  world %d  f32 sum  in-place  iters %d warmup %d  memcpy %.2f GB/s\n"
+        "# pml %s  btl %s  mpi_yield_when_idle %s  mpi_oversubscribe %s  vader single copy %s\n",
+        world, iters, warmup, memcpy_GBs, pml, btl, yield, oversub, single_copy);
+    printf("#%11s %12s %6s %6s %10s %10s %10s %10s %10s %8s\n", "size", "count", "type", "redop", "algo", "p50_us",
+           "p99_us", "algbw_GBs", "busbw_GBs", "wrong");
     fflush(stdout);
   }
 
@@ -277,8 +301,8 @@ int main(int argc, char **argv) {
       double p50 = percentile(tmax, iters, 0.50), p99 = percentile(tmax, iters, 0.99);
       double algbw = (double)bytes / p50 / 1e9;
       double busbw = algbw * 2.0 * (world - 1) / world;
-      printf("%12zu %12zu %6s %6s %10s %10.2f %10.2f %10.3f %10.3f %8lld\n", bytes, count, "f32",
-             "sum", algo, p50 * 1e6, p99 * 1e6, algbw, busbw, wrong_max);
+      printf("%12zu %12zu %6s %6s %10s %10.2f %10.2f %10.3f %10.3f %8lld\n", bytes, count, "f32", "sum", algo,
+             p50 * 1e6, p99 * 1e6, algbw, busbw, wrong_max);
       fflush(stdout);
       if (out)
         fprintf(out,

@@ -81,21 +81,29 @@ Options parse(int argc, char** argv) {
     const std::string a = argv[i];
     if (i + 1 >= argc) throw std::invalid_argument("option " + a + " needs a value");
     const std::string v = argv[++i];
-    if (a == "--store") o.store = v;
-    else if (a == "--min-bytes") o.min_bytes = parse_bytes(v);
-    else if (a == "--max-bytes") o.max_bytes = parse_bytes(v);
-    else if (a == "--iters") o.iters = std::stoi(v);
-    else if (a == "--warmup") o.warmup = std::stoi(v);
-    else throw std::invalid_argument("unknown option " + a);
+    if (a == "--store")
+      o.store = v;
+    else if (a == "--min-bytes")
+      o.min_bytes = parse_bytes(v);
+    else if (a == "--max-bytes")
+      o.max_bytes = parse_bytes(v);
+    else if (a == "--iters")
+      o.iters = std::stoi(v);
+    else if (a == "--warmup")
+      o.warmup = std::stoi(v);
+    else
+      throw std::invalid_argument("unknown option " + a);
   }
   if (o.store.empty()) throw std::invalid_argument("--store DIR is required (a directory both ranks can write)");
-  if (o.iters < 1 || o.warmup < 0 || o.max_bytes < o.min_bytes) throw std::invalid_argument("bad --iters/--warmup/sizes");
+  if (o.iters < 1 || o.warmup < 0 || o.max_bytes < o.min_bytes)
+    throw std::invalid_argument("bad --iters/--warmup/sizes");
   return o;
 }
 
 // Rank r holds ((i + 3r) mod 17) - 8: the f32 sum is exact in any order.
 void fill(std::vector<float>& x, int rank) {
-  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>((i + 3 * static_cast<size_t>(rank)) % 17) - 8);
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = static_cast<float>(static_cast<int>((i + 3 * static_cast<size_t>(rank)) % 17) - 8);
 }
 
 uint64_t wrong(const std::vector<float>& x, int size) {

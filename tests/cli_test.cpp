@@ -14,11 +14,10 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "cli_util.h"
 #include "dtrain/launch/launcher.h"
@@ -55,8 +54,10 @@ TEST_F(Cli, MlpTrainsAndWritesMetricsAndModel) {
 }
 
 TEST_F(Cli, SameSeedIsBitwiseReproducibleAndDiffSaysSo) {
-  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --seed 3 --save " + path("a.dtm") + " --metrics " + path("a.jsonl")).code, 0);
-  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --seed 3 --save " + path("b.dtm") + " --metrics " + path("b.jsonl")).code, 0);
+  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --seed 3 --save " + path("a.dtm") + " --metrics " + path("a.jsonl")).code,
+            0);
+  ASSERT_EQ(dtrain(std::string(kSmallMlp) + " --seed 3 --save " + path("b.dtm") + " --metrics " + path("b.jsonl")).code,
+            0);
   EXPECT_EQ(final_record("a.jsonl")["params_digest"], final_record("b.jsonl")["params_digest"]);
   ProcessResult same = dtrain("diff " + path("a.dtm") + " " + path("b.dtm"));
   EXPECT_EQ(same.code, 0) << same.output;
@@ -72,8 +73,9 @@ TEST_F(Cli, SameSeedIsBitwiseReproducibleAndDiffSaysSo) {
 TEST_F(Cli, GptTrainsOnTextAndLossFalls) {
   const std::string c = corpus();
   ProcessResult r = dtrain("train --model gpt --data text:" + c +
-                 " --layers 2 --heads 2 --width 32 --seq-len 32 --batch-size 8 --lr 3e-3 --steps 80"
-                 " --progress=false --log-every 20 --metrics " + path("g.jsonl"));
+                           " --layers 2 --heads 2 --width 32 --seq-len 32 --batch-size 8 --lr 3e-3 --steps 80"
+                           " --progress=false --log-every 20 --metrics " +
+                           path("g.jsonl"));
   ASSERT_EQ(r.code, 0) << r.output;
   std::ifstream in(path("g.jsonl"));
   std::string line;
@@ -136,12 +138,15 @@ TEST_F(Cli, BadInputGetsClearErrors) {
     EXPECT_NE(r.code, 0) << c.name << ": " << r.output;
     EXPECT_NE(r.code, -1) << c.name << " crashed or hung: " << r.output;
     EXPECT_LT(r.code, 128) << c.name << " died by a signal: " << r.output;
-    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.name << ": '" << c.expected << "' not in: " << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos)
+        << c.name << ": '" << c.expected << "' not in: " << r.output;
   }
 }
 
 TEST_F(Cli, CorruptedModelFileIsRefused) {
-  ASSERT_EQ(dtrain("train --model mlp --hidden 16 --batch-size 8 --steps 2 --progress=false --save " + path("a.dtm")).code, 0);
+  ASSERT_EQ(
+      dtrain("train --model mlp --hidden 16 --batch-size 8 --steps 2 --progress=false --save " + path("a.dtm")).code,
+      0);
   std::string bytes;
   {
     std::ifstream in(path("a.dtm"), std::ios::binary);
@@ -177,15 +182,13 @@ TEST_F(Cli, ParallelLayoutsEqualOneProcess) {
   ProcessResult one = dtrain(gpt + " --save " + path("one.dtm") + " --metrics " + path("one.jsonl"));
   ASSERT_EQ(one.code, 0) << one.output;
   const int64_t params = final_record("one.jsonl")["params"].get<int64_t>();
-  const std::vector<std::string> layouts = {"--pp 2 --micro-batches 4",
-                                            "--pp 4 --micro-batches 2 --schedule gpipe",
-                                            "--tp 2",
-                                            "--dp 2 --pp 2 --micro-batches 2",
+  const std::vector<std::string> layouts = {"--pp 2 --micro-batches 4", "--pp 4 --micro-batches 2 --schedule gpipe",
+                                            "--tp 2", "--dp 2 --pp 2 --micro-batches 2",
                                             "--tp 2 --pp 2 --micro-batches 2 --stages 0-1,2-3"};
   for (size_t i = 0; i < layouts.size(); ++i) {
     const std::string name = "l" + std::to_string(i);
-    ProcessResult r = dtrain(gpt + " " + layouts[i] + " --save " + path(name + ".dtm") + " --metrics " +
-                             path(name + ".jsonl"), 300);
+    ProcessResult r =
+        dtrain(gpt + " " + layouts[i] + " --save " + path(name + ".dtm") + " --metrics " + path(name + ".jsonl"), 300);
     ASSERT_EQ(r.code, 0) << layouts[i] << ": " << r.output;
     ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("one.dtm") + " " + path(name + ".dtm"));
     EXPECT_EQ(d.code, 0) << layouts[i] << ": " << d.output;
@@ -217,8 +220,7 @@ TEST_F(Cli, ClippingOnEveryLayoutEqualsOneProcess) {
   ASSERT_EQ(free.code, 0) << free.output;
   EXPECT_NE(dtrain("diff --tol 1e-5 --quiet " + path("clip_one.dtm") + " " + path("clip_free.dtm")).code, 0)
       << "--clip-grad 0.05 did not change the run";
-  const std::vector<std::string> layouts = {"--dp 2 --tp 2",
-                                            "--dp 2 --tp 2 --zero 1",
+  const std::vector<std::string> layouts = {"--dp 2 --tp 2", "--dp 2 --tp 2 --zero 1",
                                             "--dp 2 --pp 2 --micro-batches 2 --zero 2",
                                             "--tp 2 --pp 2 --micro-batches 2 --stages 0-1,2-3"};
   for (size_t i = 0; i < layouts.size(); ++i) {
@@ -261,8 +263,7 @@ TEST_F(Cli, ModelParallelMisconfigurationIsRefusedBeforeAnyWork) {
       {"unknown schedule", gpt + " --pp 2 --schedule zigzag", "expected gpipe or 1f1b"},
       {"stages that skip a block", gpt + " --pp 2 --stages 0-1,3-3", "must start at block 2"},
       {"stages not covering the model", gpt + " --pp 2 --stages 0-1,2-2", "the model has 4 blocks"},
-      {"world does not match the layout",
-       "launch -n 3 -- " + std::string(DTRAIN_BINARY) + " " + gpt + " --pp 2 --dp 2",
+      {"world does not match the layout", "launch -n 3 -- " + std::string(DTRAIN_BINARY) + " " + gpt + " --pp 2 --dp 2",
        "the launcher started 3 workers (WORLD_SIZE=3) but --dp 2 x --pp 2 x --tp 1 = 4"},
       {"model over the memory limit", gpt + " --memory-limit 100000", "but --memory-limit is"},
   };
@@ -270,7 +271,8 @@ TEST_F(Cli, ModelParallelMisconfigurationIsRefusedBeforeAnyWork) {
     ProcessResult r = dtrain(c.args, 60);
     EXPECT_NE(r.code, 0) << c.name << ": " << r.output;
     EXPECT_LT(r.code, 128) << c.name << " died by a signal: " << r.output;
-    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.name << ": '" << c.expected << "' not in: " << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos)
+        << c.name << ": '" << c.expected << "' not in: " << r.output;
     EXPECT_EQ(r.output.find("step 1"), std::string::npos) << c.name << ": training started: " << r.output;
   }
 }
@@ -303,25 +305,22 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
     bool restarts = true;
     const char* transport = "auto";
   };
-  const std::vector<Case> cases = {{"kill rank 1 at step 7", "kill:rank=1:step=7"},
-                                   {"rank 1 hangs (SIGSTOP) at step 7: only its missing heartbeats tell",
-                                    "stop:rank=1:step=7", "--heartbeat-timeout 1",
-                                    "rank 1 sent no heartbeat for"},
-                                   {"rank 0 loses its network (every socket shut down) at step 6, over TCP",
-                                    "drop:rank=0:step=6", "--heartbeat-timeout 1",
-                                    "the connection", true, "tcp"},  // closed or reset, as the timing goes
-                                   {"rank 1 straggles 1.5 s at step 5: slower, not failed", "delay:rank=1:step=5:ms=1500",
-                                    "--heartbeat-timeout 1", "delaying this rank by 1500 ms", false},
-                                   {"asynchronous checkpoints: step 4's commit came with step 8's save",
-                                    "kill:rank=1:step=10", "--checkpoint-async=true"},
-                                   {"kill rank 0 while it writes the step 8 checkpoint",
-                                    "kill:rank=0:step=8:phase=checkpoint"},
-                                   {"kill rank 1 while rank 0 is in the step 6 all_reduce",
-                                    "kill:rank=1:step=6:phase=allreduce"},
-                                   {"ZeRO-1 on one host (parameters in shared memory): kill rank 1 while rank 0 "
-                                    "reduces the step 6 gradients",
-                                    "kill:rank=1:step=6:phase=allreduce", "--zero 1"},
-                                   {"two faults on two starts", "kill:rank=1:step=3,kill:rank=0:step=10:attempt=1"}};
+  const std::vector<Case> cases = {
+      {"kill rank 1 at step 7", "kill:rank=1:step=7"},
+      {"rank 1 hangs (SIGSTOP) at step 7: only its missing heartbeats tell", "stop:rank=1:step=7",
+       "--heartbeat-timeout 1", "rank 1 sent no heartbeat for"},
+      {"rank 0 loses its network (every socket shut down) at step 6, over TCP", "drop:rank=0:step=6",
+       "--heartbeat-timeout 1", "the connection", true, "tcp"},  // closed or reset, as the timing goes
+      {"rank 1 straggles 1.5 s at step 5: slower, not failed", "delay:rank=1:step=5:ms=1500", "--heartbeat-timeout 1",
+       "delaying this rank by 1500 ms", false},
+      {"asynchronous checkpoints: step 4's commit came with step 8's save", "kill:rank=1:step=10",
+       "--checkpoint-async=true"},
+      {"kill rank 0 while it writes the step 8 checkpoint", "kill:rank=0:step=8:phase=checkpoint"},
+      {"kill rank 1 while rank 0 is in the step 6 all_reduce", "kill:rank=1:step=6:phase=allreduce"},
+      {"ZeRO-1 on one host (parameters in shared memory): kill rank 1 while rank 0 "
+       "reduces the step 6 gradients",
+       "kill:rank=1:step=6:phase=allreduce", "--zero 1"},
+      {"two faults on two starts", "kill:rank=1:step=3,kill:rank=0:step=10:attempt=1"}};
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = path("ckpt" + std::to_string(i)), metrics = path("f" + std::to_string(i) + ".jsonl");
     ::setenv("DTRAIN_FAULT", cases[i].fault.c_str(), 1);
@@ -365,8 +364,7 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   EXPECT_NE(resumed.output.find("step-00000008 is not usable: rank-0.dtm does not match its checksum"),
             std::string::npos)
       << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from " + path("one") + "/step-00000004"), std::string::npos)
-      << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + path("one") + "/step-00000004"), std::string::npos) << resumed.output;
   EXPECT_EQ(digest("one.jsonl"), digest("ref1.jsonl"));
   // --keep 2: only the two newest complete checkpoints stay.
   EXPECT_FALSE(fs::exists(path("one/step-00000004")));
@@ -427,8 +425,8 @@ TEST_F(Cli, AResumedRunWithDropoutDrawsTheSameMasks) {
   auto digest = [&](const std::string& metrics) { return final_record(metrics)["params_digest"].get<std::string>(); };
   ASSERT_EQ(dtrain(gpt + " --metrics " + path("ref.jsonl")).code, 0);
   ::setenv("DTRAIN_FAULT", "kill:rank=1:step=6", 1);
-  ProcessResult r = dtrain(gpt + " --checkpoint-dir " + path("ck") + " --checkpoint-every 2 --max-restarts 1 --metrics " +
-                           path("f.jsonl"));
+  ProcessResult r = dtrain(gpt + " --checkpoint-dir " + path("ck") +
+                           " --checkpoint-every 2 --max-restarts 1 --metrics " + path("f.jsonl"));
   ::unsetenv("DTRAIN_FAULT");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
@@ -456,7 +454,8 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
                                    {"--dp 2 --zero 1 --bucket-mb 0.0002", "--dp 4", "dp 2 x pp 1, zero 1"}};
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string dir = path("r" + std::to_string(i)), out = path("r" + std::to_string(i) + ".dtm");
-    ProcessResult a = dtrain(mlp + " " + cases[i].from + " --steps 8 --checkpoint-dir " + dir + " --checkpoint-every 4");
+    ProcessResult a =
+        dtrain(mlp + " " + cases[i].from + " --steps 8 --checkpoint-dir " + dir + " --checkpoint-every 4");
     ASSERT_EQ(a.code, 0) << a.output;
     ProcessResult b = dtrain(mlp + " " + cases[i].to + " --steps 12 --checkpoint-dir " + dir + " --save " + out);
     ASSERT_EQ(b.code, 0) << b.output;
@@ -469,7 +468,8 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
   // workers, which resume the dp 4 checkpoint as 3 replicas with the same global batch.
   ::setenv("DTRAIN_FAULT", "kill:rank=3:step=6:attempt=any", 1);
   ProcessResult el = dtrain(mlp + " --dp 4 --steps 12 --checkpoint-dir " + path("el") +
-                            " --checkpoint-every 4 --max-restarts 3 --min-workers 2 --save " + path("el.dtm"), 300);
+                                " --checkpoint-every 4 --max-restarts 3 --min-workers 2 --save " + path("el.dtm"),
+                            300);
   ::unsetenv("DTRAIN_FAULT");
   ASSERT_EQ(el.code, 0) << el.output;
   EXPECT_NE(el.output.find("continuing with 3 workers"), std::string::npos) << el.output;
@@ -480,9 +480,10 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
   // The same with a rank that hangs (SIGSTOP) on every start: the heartbeats find it, and it,
   // not the rank that noticed, is the worker dropped.
   ::setenv("DTRAIN_FAULT", "stop:rank=3:step=6:attempt=any", 1);
-  ProcessResult hung = dtrain(mlp + " --dp 4 --steps 12 --checkpoint-dir " + path("hung") +
-                              " --checkpoint-every 4 --max-restarts 3 --min-workers 2 --heartbeat-timeout 1 --save " +
-                              path("hung.dtm"), 300);
+  ProcessResult hung = dtrain(
+      mlp + " --dp 4 --steps 12 --checkpoint-dir " + path("hung") +
+          " --checkpoint-every 4 --max-restarts 3 --min-workers 2 --heartbeat-timeout 1 --save " + path("hung.dtm"),
+      300);
   ::unsetenv("DTRAIN_FAULT");
   ASSERT_EQ(hung.code, 0) << hung.output;
   EXPECT_NE(hung.output.find("rank 3 sent no heartbeats (stopped or hung): it is the failed worker"), std::string::npos)
@@ -492,8 +493,8 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
   EXPECT_EQ(dh.code, 0) << dh.output;
   // Another model (or optimizer, or tensor-parallel size) is refused, naming both, and nothing
   // is trained (or pruned) next to the other run's checkpoints.
-  ProcessResult bad = dtrain("train --model mlp --hidden 32 --batch-size 48 --steps 12 --progress=false --checkpoint-dir " +
-                             path("r0"));
+  ProcessResult bad = dtrain(
+      "train --model mlp --hidden 32 --batch-size 48 --steps 12 --progress=false --checkpoint-dir " + path("r0"));
   EXPECT_NE(bad.code, 0) << bad.output;
   EXPECT_NE(bad.output.find("holds a checkpoint this run cannot continue: written with model"), std::string::npos)
       << bad.output;
@@ -505,20 +506,23 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
 // result matches the run that never changed size. The faults only hold rank 0 at a known
 // step (delay) so that the test knows when to act.
 TEST_F(Cli, AnElasticJobShrinksWhenANodeLeavesAndGrowsWhenItReturns) {
-  const std::string mlp = "train --model mlp --hidden 64,64 --batch-size 48 --optimizer sgd --lr 0.05 --steps 20 "
-                          "--progress=false --log-every 4";
+  const std::string mlp =
+      "train --model mlp --hidden 64,64 --batch-size 48 --optimizer sgd --lr 0.05 --steps 20 "
+      "--progress=false --log-every 4";
   ProcessResult ref = dtrain(mlp + " --dp 4 --save " + path("ref.dtm"));
   ASSERT_EQ(ref.code, 0) << ref.output;
   ::setenv("DTRAIN_SECRET", "d93cce28a60d3493032702df14dff10fe69403b0b57f02bd7148e57957a4717a", 1);
   ::setenv("DTRAIN_FAULT", "delay:rank=0:step=10:ms=60000:attempt=0,delay:rank=0:step=14:ms=60000:attempt=1", 1);
   const std::string agent = "launch --nnodes 1:2 -n 2 --master-port " + std::to_string(free_port()) +
                             " --last-call 1 --max-restarts 3 --node-rank ";
-  const std::string work = std::string(" -- ") + DTRAIN_BINARY + " " + mlp + " --dp 4 --min-workers 2 --checkpoint-dir " +
-                           path("ck") + " --checkpoint-every 4 --save " + path("el.dtm");
+  const std::string work = std::string(" -- ") + DTRAIN_BINARY + " " + mlp +
+                           " --dp 4 --min-workers 2 --checkpoint-dir " + path("ck") + " --checkpoint-every 4 --save " +
+                           path("el.dtm");
   const pid_t a0 = dtrain_background(agent + "0" + work, path("a0.log"));
   const pid_t a1 = dtrain_background(agent + "1" + work, path("a1.log"));
   pid_t a1_again = -1;
-  const bool held = wait_for_text(path("a0.log"), "delaying this rank by 60000 ms at step 10", std::chrono::seconds(120));
+  const bool held =
+      wait_for_text(path("a0.log"), "delaying this rank by 60000 ms at step 10", std::chrono::seconds(120));
   ::kill(a1, SIGTERM);  // node 1 leaves
   const int a1_code = wait_code(a1);
   const bool held_again =
@@ -540,8 +544,7 @@ TEST_F(Cli, AnElasticJobShrinksWhenANodeLeavesAndGrowsWhenItReturns) {
   // Node 0 learns it from the store ("node 1 left") or from its own workers (peers died),
   // whichever comes first.
   EXPECT_NE(log0.find("round 0 ended: "), std::string::npos) << log0;
-  EXPECT_NE(log0.find("round 1: 1 node (node ranks 0), this is node 0 of the round: ranks 0-1 of 2"),
-            std::string::npos)
+  EXPECT_NE(log0.find("round 1: 1 node (node ranks 0), this is node 0 of the round: ranks 0-1 of 2"), std::string::npos)
       << log0;
   EXPECT_NE(log0.find("2 data-parallel replicas instead of 4 (global batch 48 kept)"), std::string::npos) << log0;
   EXPECT_NE(log0.find("round 1: 1 node asked to join"), std::string::npos) << log0;
@@ -569,8 +572,10 @@ TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
                                " launch --nnodes 2 --node-rank $HOST --master-addr $MASTER_ADDR --master-port 29613 "
                                "-n 1 -- " +
                                DTRAIN_BINARY + " " + mlp + " --compress " + compress + " --save " + out;
-    const std::string cmd = "DTRAIN_SECRET=5cf5bfceb6372fdcea17dc1ee2d9026d2f92c9b2c4686758faef73b956979823 timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
-                            "/scripts/netns-cluster --hosts 2 --rate 1gbit --name " + cluster + " -- sh -c '" + launch + "' 2>&1";
+    const std::string cmd =
+        "DTRAIN_SECRET=5cf5bfceb6372fdcea17dc1ee2d9026d2f92c9b2c4686758faef73b956979823 timeout -k 5 240 " +
+        std::string(DTRAIN_SOURCE_DIR) + "/scripts/netns-cluster --hosts 2 --rate 1gbit --name " + cluster +
+        " -- sh -c '" + launch + "' 2>&1";
     const ProcessResult r = run_shell(cmd);
     ASSERT_EQ(r.code, 0) << compress << ": " << r.output;
     EXPECT_NE(r.output.find("[h0] [rank 0] saved"), std::string::npos) << r.output;
@@ -584,10 +589,12 @@ TEST_F(Cli, TwoNamespacedHostsTrainLikeOneHost) {
   ASSERT_EQ(ref.code, 0) << ref.output;
   const std::string launch = std::string(DTRAIN_BINARY) +
                              " launch --nnodes 2 --node-rank $HOST --master-addr $MASTER_ADDR --master-port 29614 "
-                             "-n 2 -- " + DTRAIN_BINARY + " " + dp4 + " --save " + path("hosts-dp4.dtm");
-  const ProcessResult r = run_shell("DTRAIN_SECRET=5cf5bfceb6372fdcea17dc1ee2d9026d2f92c9b2c4686758faef73b956979823 timeout -k 5 240 " + std::string(DTRAIN_SOURCE_DIR) +
-                                    "/scripts/netns-cluster --hosts 2 --rate 1gbit --name " + cluster + " -- sh -c '" +
-                                    launch + "' 2>&1");
+                             "-n 2 -- " +
+                             DTRAIN_BINARY + " " + dp4 + " --save " + path("hosts-dp4.dtm");
+  const ProcessResult r =
+      run_shell("DTRAIN_SECRET=5cf5bfceb6372fdcea17dc1ee2d9026d2f92c9b2c4686758faef73b956979823 timeout -k 5 240 " +
+                std::string(DTRAIN_SOURCE_DIR) + "/scripts/netns-cluster --hosts 2 --rate 1gbit --name " + cluster +
+                " -- sh -c '" + launch + "' 2>&1");
   ASSERT_EQ(r.code, 0) << r.output;
   ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("ref-dp4.dtm") + " " + path("hosts-dp4.dtm"));
   EXPECT_EQ(d.code, 0) << d.output;
@@ -607,8 +614,7 @@ TEST_F(Cli, MpirunTrainsLikeTheLauncher) {
   write("corpus.txt", corpus);
   const std::vector<std::string> jobs = {
       "--model mlp --hidden 64,32 --batch-size 64 --steps 12 --dp 4 --zero 1 --optimizer adamw",
-      "--model mlp --hidden 64,32 --batch-size 64 --steps 12 --dp 2 --pp 2 --micro-batches 2",
-      gpt + " --dp 2 --tp 2"};
+      "--model mlp --hidden 64,32 --batch-size 64 --steps 12 --dp 2 --pp 2 --micro-batches 2", gpt + " --dp 2 --tp 2"};
   for (size_t k = 0; k < jobs.size(); ++k) {
     const std::string ref = path("ref" + std::to_string(k) + ".dtm"), mpi = path("mpi" + std::to_string(k) + ".dtm");
     ProcessResult r = dtrain("train " + jobs[k] + " --progress=false --save " + ref);
@@ -625,14 +631,16 @@ TEST_F(Cli, MpirunTrainsLikeTheLauncher) {
                                       " train --backend mpi --model mlp --hidden 16 --batch-size 12 --steps 2 --dp 4 "
                                       "--progress=false 2>&1");
   EXPECT_NE(bad.code, 0) << bad.output;
-  EXPECT_NE(bad.output.find("the MPI job (mpirun -np, srun -n) started 3 workers (OMPI_COMM_WORLD_SIZE=3) but --dp 4"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("the MPI job (mpirun -np, srun -n) started 3 workers (OMPI_COMM_WORLD_SIZE=3) but --dp 4"),
+            std::string::npos)
+      << bad.output;
   // A rank killed in the gradients' all_reduce ends the job soon (mpirun stops the others),
   // and a stopped one within the heartbeat timeout (the others end it with MPI_Abort).
   for (const std::string fault : {"kill:rank=1:step=3:phase=allreduce", "stop:rank=2:step=3"}) {
     const auto t0 = std::chrono::steady_clock::now();
-    const ProcessResult f = run_shell("DTRAIN_FAULT=" + fault + " timeout -k 5 120 " + std::string(DTRAIN_MPIRUN) +
-                                      " -np 4 " + DTRAIN_BINARY + " train --backend mpi " + jobs[0] +
-                                      " --heartbeat-timeout 2 --progress=false 2>&1");
+    const ProcessResult f =
+        run_shell("DTRAIN_FAULT=" + fault + " timeout -k 5 120 " + std::string(DTRAIN_MPIRUN) + " -np 4 " +
+                  DTRAIN_BINARY + " train --backend mpi " + jobs[0] + " --heartbeat-timeout 2 --progress=false 2>&1");
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_NE(f.code, 0) << fault << ": " << f.output;
     EXPECT_NE(f.code, 124) << fault << ": the job hung: " << f.output;
@@ -647,9 +655,10 @@ TEST_F(Cli, RanksComeFromSlurmsEnvironment) {
   const std::string job = "--model mlp --hidden 32 --batch-size 16 --steps 4 --dp 2 --progress=false";
   ProcessResult ref = dtrain("train " + job + " --save " + path("ref.dtm"));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  const ProcessResult r = dtrain("launch -n 2 -- sh -c 'SLURM_STEP_ID=0 SLURM_PROCID=$RANK SLURM_NTASKS=$WORLD_SIZE "
-                                 "exec env -u RANK -u WORLD_SIZE " + std::string(DTRAIN_BINARY) + " train " + job +
-                                 " --save " + path("slurm.dtm") + "'");
+  const ProcessResult r = dtrain(
+      "launch -n 2 -- sh -c 'SLURM_STEP_ID=0 SLURM_PROCID=$RANK SLURM_NTASKS=$WORLD_SIZE "
+      "exec env -u RANK -u WORLD_SIZE " +
+      std::string(DTRAIN_BINARY) + " train " + job + " --save " + path("slurm.dtm") + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("[rank 0] saved"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("[rank 1] saved"), std::string::npos) << "rank 1 acted as the lead: " << r.output;
@@ -658,9 +667,10 @@ TEST_F(Cli, RanksComeFromSlurmsEnvironment) {
 }
 
 TEST(Launch, StartsWorkersWithTheirEnvironmentAndPrefixesOutput) {
-  ProcessResult r = dtrain("launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "
-                           "${#DTRAIN_SECRET} $MASTER_ADDR'",
-                           60);
+  ProcessResult r = dtrain(
+      "launch -n 3 -- sh -c 'echo id $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE "
+      "${#DTRAIN_SECRET} $MASTER_ADDR'",
+      60);
   ASSERT_EQ(r.code, 0) << r.output;
   for (int rank = 0; rank < 3; ++rank) {
     const std::string line = "[rank " + std::to_string(rank) + "] id " + std::to_string(rank) + "/3/" +
@@ -703,7 +713,8 @@ TEST(Launch, BindsWorkersToDisjointCpusWhenTheyFit) {
   }
   ProcessResult many = dtrain("launch -n " + std::to_string(cpus + 1) + " --bind core -- true", 30);
   EXPECT_NE(many.code, 0);
-  EXPECT_NE(many.output.find("only " + std::to_string(cpus) + " CPUs to bind them to"), std::string::npos) << many.output;
+  EXPECT_NE(many.output.find("only " + std::to_string(cpus) + " CPUs to bind them to"), std::string::npos)
+      << many.output;
 }
 
 // Binding on an SMT machine numbered as Linux often does (siblings i and i + 4): workers get
@@ -729,8 +740,8 @@ TEST(Launch, BindingKeepsSmtSiblingsTogether) {
 // Shared memory a worker created but never unlinked (killed before its peers mapped it) is
 // removed by the launcher once the worker is gone; the names carry the creator's pid.
 TEST(Launch, RemovesSharedMemoryADeadWorkerLeft) {
-  ProcessResult r = dtrain(
-      "launch -n 1 -- sh -c 'echo pid $$; : > /dev/shm/dtrain-leaktest-$$-0123456789abcdef; kill -9 $$'", 30);
+  ProcessResult r =
+      dtrain("launch -n 1 -- sh -c 'echo pid $$; : > /dev/shm/dtrain-leaktest-$$-0123456789abcdef; kill -9 $$'", 30);
   EXPECT_NE(r.code, 0) << r.output;
   const auto at = r.output.find("pid ");
   ASSERT_NE(at, std::string::npos) << r.output;
@@ -772,8 +783,8 @@ TEST(Plan, PredictsALayoutRecommendsOneAndRefusesImpossibleOnes) {
   EXPECT_EQ(p["stages"].size(), 2u);
   EXPECT_GT(p["memory"]["activations"].get<double>(), 0.0);
   // Given devices: the search over layouts of a 1.3B GPT on 64 of them.
-  const ProcessResult r = dtrain(
-      "plan --model gpt --params 1.3e9 --devices 64 --device-flops 9.9e14 --link-gbps 400 --memory 80e9", 120);
+  const ProcessResult r =
+      dtrain("plan --model gpt --params 1.3e9 --devices 64 --device-flops 9.9e14 --link-gbps 400 --memory 80e9", 120);
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("recommended: --dp "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("memory per device: params "), std::string::npos) << r.output;
@@ -783,7 +794,8 @@ TEST(Plan, PredictsALayoutRecommendsOneAndRefusesImpossibleOnes) {
   const ProcessResult none = dtrain("plan --model gpt --dp 2", 30);
   EXPECT_EQ(none.code, 2) << none.output;
   EXPECT_NE(none.output.find("no compute rate"), std::string::npos) << none.output;
-  const ProcessResult tiny = dtrain("plan --model gpt --params 70e9 --devices 8 --device-flops 9.9e14 --memory 80e9", 60);
+  const ProcessResult tiny =
+      dtrain("plan --model gpt --params 70e9 --devices 8 --device-flops 9.9e14 --memory 80e9", 60);
   EXPECT_EQ(tiny.code, 1) << tiny.output;
   EXPECT_NE(tiny.output.find("no layout of 8 devices fits"), std::string::npos) << tiny.output;
 }

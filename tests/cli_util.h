@@ -14,11 +14,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 // An unnamed namespace, as before these moved here: the helper `dtrain()` shares its name with
 // the library's namespace, which only an inner scope can hide.

@@ -692,7 +692,7 @@ TEST(CompressCollectiveErrors, RanksWithDifferentCodecsFailInsteadOfMisdecoding)
         const auto t0 = std::chrono::steady_clock::now();
         try {
           all_reduce_compressed(g, x.data(), y.data(), x.size(), g.rank() == 0 ? Codec::bf16 : Codec::fp16,
-                                  ReduceOp::sum);
+                                ReduceOp::sum);
           ADD_FAILURE() << "rank " << g.rank() << ": mismatched codecs were not detected";
         } catch (const CommError& e) {
           EXPECT_EQ(e.op(), "all_reduce_compressed");

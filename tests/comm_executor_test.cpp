@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "../src/comm/executor.h"
-#include "dtrain/comm/transport.h"
 #include "comm_test_util.h"
+#include "dtrain/comm/transport.h"
 
 using namespace dtrain::comm;
 using dtrain::comm::detail::Executor;
@@ -45,7 +45,9 @@ class FakeTransport : public Transport {
   int size() const override { return 3; }
   TransportKind kind() const override { return TransportKind::none; }
 
-  RequestId post_send(int peer, uint64_t tag, const void*, size_t bytes) override { return post(true, peer, tag, bytes); }
+  RequestId post_send(int peer, uint64_t tag, const void*, size_t bytes) override {
+    return post(true, peer, tag, bytes);
+  }
   RequestId post_recv(int peer, uint64_t tag, void*, size_t bytes) override { return post(false, peer, tag, bytes); }
 
   void wait(const std::vector<RequestId>& requests, Deadline deadline) override {
@@ -232,10 +234,13 @@ TEST(Executor, CollectivesRunInIssueOrderWhileSendsAndReceivesWaitInFlight) {
   // Issued while `first` holds the transport: queued behind it, whatever their form.
   Work second = f.executor->submit("broadcast", false, [&](uint64_t seq, Deadline) { record(seq); });
   std::thread blocking([&] {
-    f.executor->submit("barrier", true, [&](uint64_t seq, Deadline) {
-      record(seq);
-      EXPECT_EQ(thread_name(), "dtrain-progress");  // not the caller's: the executor was busy
-    }).wait(10s);
+    f.executor
+        ->submit("barrier", true,
+                 [&](uint64_t seq, Deadline) {
+                   record(seq);
+                   EXPECT_EQ(thread_name(), "dtrain-progress");  // not the caller's: the executor was busy
+                 })
+        .wait(10s);
   });
   EXPECT_TRUE(test_util::eventually([&] { return f.recorder->entries().size() == 4; }));  // the barrier is queued
   EXPECT_FALSE(second.test());
@@ -334,10 +339,13 @@ TEST(Executor, ASendOrReceiveInFlightFailsAtItsDeadlineNamingThePeer) {
 TEST(Executor, ABodyGetsTheExecutorsTimeoutAsItsDeadline) {
   Fixture f(150ms);
   const auto start = Clock::now();
-  Work w = f.executor->submit("reduce", false, [&](uint64_t, Deadline deadline) {
-    char x = 0;
-    f.fake.wait({f.fake.post_recv(2, 1, &x, 1)}, deadline);
-  }, 1, 2);
+  Work w = f.executor->submit(
+      "reduce", false,
+      [&](uint64_t, Deadline deadline) {
+        char x = 0;
+        f.fake.wait({f.fake.post_recv(2, 1, &x, 1)}, deadline);
+      },
+      1, 2);
   const std::string e = error_of(w);
   EXPECT_TRUE(has(e, "reduce #0: fake: not complete by the deadline (peers: 2)")) << e;
   EXPECT_GE(since(start), 150ms);

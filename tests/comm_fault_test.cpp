@@ -4,6 +4,7 @@
 // collective is reported with both calls instead of corrupting data.
 #include <dirent.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -19,8 +20,6 @@
 #include <string>
 #include <tuple>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "comm_test_util.h"
 #include "dtrain/comm/group.h"
@@ -152,7 +151,8 @@ TEST_P(KillDuringAllReduce, SurvivorsRaiseNamingTheDeadRankWithinTheTimeout) {
     const std::string res = read_file(job.dir / fmt::format("result{}", r));
     EXPECT_NE(res, "ok") << "rank " << r;
     EXPECT_NE(res.find("all_reduce"), std::string::npos) << "rank " << r << ": " << res;
-    EXPECT_NE(res.find(fmt::format("rank {} (pid {}) died", victim, pids[static_cast<size_t>(victim)])), std::string::npos)
+    EXPECT_NE(res.find(fmt::format("rank {} (pid {}) died", victim, pids[static_cast<size_t>(victim)])),
+              std::string::npos)
         << "rank " << r << " does not name the dead rank: " << res;
   }
   EXPECT_TRUE(shm_entries(job.name).empty()) << "segments left in /dev/shm";

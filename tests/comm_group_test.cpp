@@ -8,13 +8,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <string>
 #include <functional>
 #include <numeric>
+#include <string>
 #include <thread>
 
-#include "dtrain/comm/group.h"
 #include "comm_test_util.h"
+#include "dtrain/comm/group.h"
 
 using namespace dtrain::comm;
 
@@ -210,24 +210,28 @@ TEST(Group, LargeAllReduceThroughStreamingCopiesIsExact) {
 // several, 2 and 3 ranks.
 TEST(Group, EveryStagingWriteModeGivesTheSameBits) {
   const size_t n = (size_t{3} << 20) / sizeof(float) + 5;  // three staging chunks and a bit
-  std::vector<std::vector<std::vector<float>>> results;       // [mode][case], rank 0's output
+  std::vector<std::vector<std::vector<float>>> results;    // [mode][case], rank 0's output
   for (const char* mode : {"0", "1", "auto"}) {
     ::setenv("DTRAIN_SHM_STREAM_STAGE", mode, 1);
     for (int p : {2, 3}) {
       std::vector<std::vector<float>> got;
-      run_ranks(p, [&](Group& g) {
-        for (const size_t len : {size_t{5000}, n}) {
-          for (const size_t shift : {size_t{0}, size_t{1}, size_t{4}}) {
-            for (const bool in_place : {false, true}) {
-              std::vector<float> x(len + shift), out(len + shift, -1.0f);
-              for (size_t i = 0; i < len; ++i) x[i + shift] = 1.0f / static_cast<float>(1 + (i * 7 + g.rank() * 13) % 101);
-              float* dst = in_place ? x.data() + shift : out.data() + shift;
-              g.all_reduce(x.data() + shift, dst, len, DataType::f32, ReduceOp::sum);
-              if (g.rank() == 0) got.emplace_back(dst, dst + len);
+      run_ranks(
+          p,
+          [&](Group& g) {
+            for (const size_t len : {size_t{5000}, n}) {
+              for (const size_t shift : {size_t{0}, size_t{1}, size_t{4}}) {
+                for (const bool in_place : {false, true}) {
+                  std::vector<float> x(len + shift), out(len + shift, -1.0f);
+                  for (size_t i = 0; i < len; ++i)
+                    x[i + shift] = 1.0f / static_cast<float>(1 + (i * 7 + g.rank() * 13) % 101);
+                  float* dst = in_place ? x.data() + shift : out.data() + shift;
+                  g.all_reduce(x.data() + shift, dst, len, DataType::f32, ReduceOp::sum);
+                  if (g.rank() == 0) got.emplace_back(dst, dst + len);
+                }
+              }
             }
-          }
-        }
-      }, test_util::quick_options());
+          },
+          test_util::quick_options());
       results.push_back(std::move(got));
     }
   }
@@ -245,7 +249,8 @@ TEST(Group, EveryStagingWriteModeGivesTheSameBits) {
   for (size_t c = 0; c < results[0].size(); ++c) {
     const size_t len = results[0][c].size();
     for (size_t i = 0; i < len; i += 97) {
-      const float want = 1.0f / static_cast<float>(1 + (i * 7) % 101) + 1.0f / static_cast<float>(1 + (i * 7 + 13) % 101);
+      const float want =
+          1.0f / static_cast<float>(1 + (i * 7) % 101) + 1.0f / static_cast<float>(1 + (i * 7 + 13) % 101);
       ASSERT_EQ(results[0][c][i], want) << "case " << c << " element " << i;
     }
   }
@@ -258,28 +263,35 @@ TEST(Group, EveryStagingWriteModeGivesTheSameBits) {
 TEST(Group, SmallAllReducesInLinesEqualTheOneProcessSum) {
   for (int p : {2, 3, 5}) {
     std::atomic<int> bad{0};
-    run_ranks(p, [&](Group& g) {
-      auto value = [](size_t i, int r) { return 1.0f / static_cast<float>(1 + (i * 7 + static_cast<size_t>(r) * 13) % 101); };
-      for (size_t len = 1; len <= 52; ++len) {
-        for (const bool in_place : {false, true}) {
-          for (int round = 0; round < 2; ++round) {
-            for (const ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
-              std::vector<float> x(len), out(len, -1.0f);
-              for (size_t i = 0; i < len; ++i) x[i] = value(i + round, g.rank());
-              float* dst = in_place ? x.data() : out.data();
-              g.all_reduce(x.data(), dst, len, DataType::f32, op);
-              for (size_t i = 0; i < len; ++i) {
-                float want = value(i + round, 0);
-                for (int r = 1; r < p; ++r) want = op == ReduceOp::sum ? want + value(i + round, r) : std::max(want, value(i + round, r));
-                if (std::memcmp(&dst[i], &want, sizeof(float)) != 0) {
-                  if (bad++ < 5) ADD_FAILURE() << p << " ranks, rank " << g.rank() << ", " << len << " floats, element " << i;
+    run_ranks(
+        p,
+        [&](Group& g) {
+          auto value = [](size_t i, int r) {
+            return 1.0f / static_cast<float>(1 + (i * 7 + static_cast<size_t>(r) * 13) % 101);
+          };
+          for (size_t len = 1; len <= 52; ++len) {
+            for (const bool in_place : {false, true}) {
+              for (int round = 0; round < 2; ++round) {
+                for (const ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
+                  std::vector<float> x(len), out(len, -1.0f);
+                  for (size_t i = 0; i < len; ++i) x[i] = value(i + round, g.rank());
+                  float* dst = in_place ? x.data() : out.data();
+                  g.all_reduce(x.data(), dst, len, DataType::f32, op);
+                  for (size_t i = 0; i < len; ++i) {
+                    float want = value(i + round, 0);
+                    for (int r = 1; r < p; ++r)
+                      want = op == ReduceOp::sum ? want + value(i + round, r) : std::max(want, value(i + round, r));
+                    if (std::memcmp(&dst[i], &want, sizeof(float)) != 0) {
+                      if (bad++ < 5)
+                        ADD_FAILURE() << p << " ranks, rank " << g.rank() << ", " << len << " floats, element " << i;
+                    }
+                  }
                 }
               }
             }
           }
-        }
-      }
-    }, test_util::quick_options());
+        },
+        test_util::quick_options());
     EXPECT_EQ(bad.load(), 0) << p << " ranks";
   }
 }
@@ -290,37 +302,40 @@ TEST(Group, SmallAllReducesInLinesEqualTheOneProcessSum) {
 TEST(Group, CallsInLinesInterleaveWithStagedCalls) {
   for (int p : {3, 8}) {
     std::atomic<int> bad{0};
-    run_ranks(p, [&](Group& g) {
-      const int r = g.rank();
-      auto value = [](size_t i, int q) { return static_cast<int>((i + 3 * static_cast<size_t>(q)) % 5); };
-      auto expect = [&](size_t i, ReduceOp op) {
-        int want = value(i, 0);
-        for (int q = 1; q < p; ++q) want = op == ReduceOp::sum ? want + value(i, q) : std::max(want, value(i, q));
-        return want;
-      };
-      for (int round = 0; round < 3; ++round) {
-        for (const size_t n : {size_t{49}, size_t{192}}) {  // u8: 2 lines, the second partial; 4 full lines
-          std::vector<uint8_t> x(n);
-          for (size_t i = 0; i < n; ++i) x[i] = static_cast<uint8_t>(value(i, r));
-          g.all_reduce(x.data(), x.data(), n, DataType::u8, ReduceOp::sum);
-          for (size_t i = 0; i < n; ++i) bad += x[i] != expect(i, ReduceOp::sum);
-        }
-        g.barrier();
-        for (const size_t n : {size_t{7}, size_t{24}}) {  // f64: 56 and 192 bytes
-          std::vector<double> x(n), out(n);
-          for (size_t i = 0; i < n; ++i) x[i] = value(i, r);
-          g.all_reduce(x.data(), out.data(), n, DataType::f64, ReduceOp::max);
-          for (size_t i = 0; i < n; ++i) bad += out[i] != expect(i, ReduceOp::max);
-        }
-        std::vector<float> big(100);  // 400 bytes: the staged path
-        for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(value(i, r));
-        g.all_reduce(big.data(), big.data(), big.size(), DataType::f32, ReduceOp::sum);
-        for (size_t i = 0; i < big.size(); ++i) bad += big[i] != static_cast<float>(expect(i, ReduceOp::sum));
-        int64_t one = r + 1;
-        g.all_reduce(&one, &one, 1, DataType::i64, ReduceOp::sum);
-        bad += one != static_cast<int64_t>(p) * (p + 1) / 2;
-      }
-    }, test_util::quick_options());
+    run_ranks(
+        p,
+        [&](Group& g) {
+          const int r = g.rank();
+          auto value = [](size_t i, int q) { return static_cast<int>((i + 3 * static_cast<size_t>(q)) % 5); };
+          auto expect = [&](size_t i, ReduceOp op) {
+            int want = value(i, 0);
+            for (int q = 1; q < p; ++q) want = op == ReduceOp::sum ? want + value(i, q) : std::max(want, value(i, q));
+            return want;
+          };
+          for (int round = 0; round < 3; ++round) {
+            for (const size_t n : {size_t{49}, size_t{192}}) {  // u8: 2 lines, the second partial; 4 full lines
+              std::vector<uint8_t> x(n);
+              for (size_t i = 0; i < n; ++i) x[i] = static_cast<uint8_t>(value(i, r));
+              g.all_reduce(x.data(), x.data(), n, DataType::u8, ReduceOp::sum);
+              for (size_t i = 0; i < n; ++i) bad += x[i] != expect(i, ReduceOp::sum);
+            }
+            g.barrier();
+            for (const size_t n : {size_t{7}, size_t{24}}) {  // f64: 56 and 192 bytes
+              std::vector<double> x(n), out(n);
+              for (size_t i = 0; i < n; ++i) x[i] = value(i, r);
+              g.all_reduce(x.data(), out.data(), n, DataType::f64, ReduceOp::max);
+              for (size_t i = 0; i < n; ++i) bad += out[i] != expect(i, ReduceOp::max);
+            }
+            std::vector<float> big(100);  // 400 bytes: the staged path
+            for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(value(i, r));
+            g.all_reduce(big.data(), big.data(), big.size(), DataType::f32, ReduceOp::sum);
+            for (size_t i = 0; i < big.size(); ++i) bad += big[i] != static_cast<float>(expect(i, ReduceOp::sum));
+            int64_t one = r + 1;
+            g.all_reduce(&one, &one, 1, DataType::i64, ReduceOp::sum);
+            bad += one != static_cast<int64_t>(p) * (p + 1) / 2;
+          }
+        },
+        test_util::quick_options());
     EXPECT_EQ(bad.load(), 0) << p << " ranks";
   }
 }
@@ -331,7 +346,8 @@ TEST(Group, AMistypedStagingWriteModeIsNamed) {
   GroupOptions o = test_util::quick_options();
   o.timeout = std::chrono::seconds(10);
   try {
-    run_ranks(2, [](Group&) {}, o);
+    run_ranks(
+        2, [](Group&) {}, o);
     ::unsetenv("DTRAIN_SHM_STREAM_STAGE");
     FAIL() << "DTRAIN_SHM_STREAM_STAGE=yes was accepted";
   } catch (const std::exception& e) {

@@ -44,7 +44,6 @@ using dtrain::comm::test_util::since;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-
 // Sets an environment variable for one scope (unset: nullopt), restoring it after.
 class ScopedEnv {
  public:

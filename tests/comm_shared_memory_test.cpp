@@ -105,7 +105,7 @@ TEST(SharedMemory, ReduceScatterInPlaceEqualsTheCopyingOneBitwise) {
           Work a = reduce_scatter_shared_async(g, m, 16, stride, got.data(), count, DataType::f32, op);
           Work b = reduce_scatter_shared_async(g, m, 16 + f32_bytes, stride, got64.data(), count, DataType::f64, op);
           Work c = reduce_scatter_shared_async(g, m, 16 + f32_bytes + f64_bytes, stride, got32.data(), count,
-                                                 DataType::i32, op);
+                                               DataType::i32, op);
           a.wait();
           b.wait();
           c.wait();
@@ -157,7 +157,8 @@ TEST(SharedMemory, AllReduceInPlaceEqualsTheCopyingOneBitwise) {
           for (int q = 0; q < world; ++q) {
             const char* theirs = m.data() + 24 + static_cast<size_t>(q) * stride;
             EXPECT_EQ(0, std::memcmp(want.data(), theirs, f32_bytes)) << "f32 of rank " << q << ", " << what;
-            EXPECT_EQ(0, std::memcmp(want64.data(), theirs + f32_bytes, f64_bytes)) << "f64 of rank " << q << ", " << what;
+            EXPECT_EQ(0, std::memcmp(want64.data(), theirs + f32_bytes, f64_bytes))
+                << "f64 of rank " << q << ", " << what;
             EXPECT_EQ(0, std::memcmp(want32.data(), theirs + f32_bytes + f64_bytes, i32_bytes))
                 << "i32 of rank " << q << ", " << what;
           }

@@ -261,14 +261,15 @@ class ShmPingPong : public ::testing::TestWithParam<size_t> {};
 TEST(ShmCopy, CopyBytesAndCopyStreamingAreExactAtEveryDistanceAndLength) {
   std::vector<unsigned char> src(3 * 4096 + 512), dst(3 * 4096 + 4096 + 512);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
-  const auto* page = reinterpret_cast<const unsigned char*>(
-      (reinterpret_cast<uintptr_t>(dst.data()) + 4095) & ~uintptr_t{4095});
+  const auto* page =
+      reinterpret_cast<const unsigned char*>((reinterpret_cast<uintptr_t>(dst.data()) + 4095) & ~uintptr_t{4095});
   const size_t base = static_cast<size_t>(page - dst.data());  // dst.data() + base is on a page
   int checked = 0;
   for (const size_t len : {size_t{0}, size_t{1}, size_t{127}, size_t{2047}, size_t{2048}, size_t{2049},
                            size_t{2048 + 127}, size_t{4096}, size_t{3 * 4096 + 1}}) {
     for (const size_t s_off : {size_t{0}, size_t{3}, size_t{64}}) {
-      for (const size_t distance : {size_t{0}, size_t{1}, size_t{16}, size_t{33}, size_t{63}, size_t{64}, size_t{4080}}) {
+      for (const size_t distance :
+           {size_t{0}, size_t{1}, size_t{16}, size_t{33}, size_t{63}, size_t{64}, size_t{4080}}) {
         const size_t d_off = (base + s_off + distance + (reinterpret_cast<uintptr_t>(src.data()) & 4095)) % 4096;
         unsigned char* to = dst.data() + d_off;
         const unsigned char* from = src.data() + s_off;

@@ -9,8 +9,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <future>
@@ -36,7 +36,6 @@ enum class Kind { memory, file, tcp };
 
 using dtrain::comm::test_util::eventually;
 using dtrain::comm::test_util::since;
-
 
 class TempDir {
  public:

@@ -26,8 +26,8 @@
 #include "../src/comm/auth.h"
 #include "../src/comm/net.h"
 #include "../src/comm/tcp_wire.h"
-#include "dtrain/comm/group.h"
 #include "comm_test_util.h"
+#include "dtrain/comm/group.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
 
@@ -40,7 +40,8 @@ using Kind = TransportError::Kind;
 // Generous bounds for what must succeed (a loaded 2-core machine), tight ones for failures.
 constexpr Duration kRendezvousTimeout = 20000ms;
 constexpr Duration kWaitTimeout = 20000ms;
-const std::string kSecret = "1c3bb001f5158726072c1ffaa155ff16ae8abb2164296417592a6791d7c44922";  // strong: see comm::check_secret
+const std::string kSecret =
+    "1c3bb001f5158726072c1ffaa155ff16ae8abb2164296417592a6791d7c44922";  // strong: see comm::check_secret
 
 std::string test_prefix(const std::string& what) {
   static std::atomic<int> counter{0};
@@ -574,7 +575,10 @@ TEST(CommTcpTransport, WrongSecretIsRefusedOnBothSides) {
       const auto start = Clock::now();
       try {
         // Rank 0 could wait 10 s: it must hear the refusal long before. Rank 1 waits 1.5 s.
-        connect(*store, prefix, r, 2, r == 0 ? "5ee30c0229ab532b585dd4dbc335e4a20b7a640ff77c52f6de7cea30da00d5e3" : "2e75d2843225c8bd225723ef536051b6a4cb5e91a6fd35c64574cb398ad5bfa1", r == 0 ? 10000ms : 1500ms);
+        connect(*store, prefix, r, 2,
+                r == 0 ? "5ee30c0229ab532b585dd4dbc335e4a20b7a640ff77c52f6de7cea30da00d5e3"
+                       : "2e75d2843225c8bd225723ef536051b6a4cb5e91a6fd35c64574cb398ad5bfa1",
+                r == 0 ? 10000ms : 1500ms);
         ADD_FAILURE() << "rank " << r << " connected with a different secret";
       } catch (const TransportError& e) {
         errors[r] = e.what();

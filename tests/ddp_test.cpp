@@ -2,6 +2,8 @@
 // every rank after every step, the same math as one process (bitwise against the same
 // micro-batches, within float tolerance against the unsplit batch), ZeRO-1/2 equal to plain
 // DDP with 1/world of the optimizer state, parameters without gradients, and misuse errors.
+#include "dtrain/parallel/ddp.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -17,7 +19,6 @@
 #include "dtrain/comm/group.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/optim/optim.h"
-#include "dtrain/parallel/ddp.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/random.h"
@@ -276,9 +277,8 @@ TEST(DataParallel, SharedMemoryZeroZeroEqualsTheCopyingPathBitwise) {
           for (int r = 0; r < world; ++r) {
             ASSERT_EQ(copying.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)],
                       shared.per_step[static_cast<size_t>(s)][static_cast<size_t>(r)])
-                << "world " << world << ", bucket " << bucket << (wide ? " (wide)" : "") << ", accumulate " << accumulate
-                << ", step " << s + 1
-                << ", rank " << r;
+                << "world " << world << ", bucket " << bucket << (wide ? " (wide)" : "") << ", accumulate "
+                << accumulate << ", step " << s + 1 << ", rank " << r;
           }
         }
       }
@@ -381,8 +381,8 @@ TEST(Compression, EveryCodecKeepsRanksIdenticalNearTheF32RunWithFewerBytes) {
     double tol;        // max relative difference to the f32 run after the steps
     double min_ratio;  // f32 bytes / wire bytes
   };
-  const std::vector<Case> cases = {{"bf16", 0, 2e-2, 1.9},  {"fp16", 0, 5e-3, 1.9},  {"int8", 0, 5e-2, 3.0},
-                                   {"int8", 1, 5e-2, 3.0},  {"int4", 0, 0.3, 5.0},   {"int4", 2, 0.3, 5.0},
+  const std::vector<Case> cases = {{"bf16", 0, 2e-2, 1.9},     {"fp16", 0, 5e-3, 1.9}, {"int8", 0, 5e-2, 3.0},
+                                   {"int8", 1, 5e-2, 3.0},     {"int4", 0, 0.3, 5.0},  {"int4", 2, 0.3, 5.0},
                                    {"powersgd:2", 0, 1.0, 4.0}};
   for (int world : {2, 3}) {
     RunOptions ref;
@@ -453,8 +453,8 @@ TEST(Compression, PowerSgdErrorFeedbackRecoversWhatRankOneCannotCarry) {
     std::vector<float> c(kRows * kCols);
     for (int64_t i = 0; i < kRows; ++i) {
       for (int64_t j = 0; j < kCols; ++j) {
-        c[static_cast<size_t>(i * kCols + j)] =
-            static_cast<float>(std::sin(0.3 * (i + 1)) * std::cos(0.2 * j) + 0.5 * std::cos(0.7 * i) * std::sin(0.9 * (j + 1)));
+        c[static_cast<size_t>(i * kCols + j)] = static_cast<float>(std::sin(0.3 * (i + 1)) * std::cos(0.2 * j) +
+                                                                   0.5 * std::cos(0.7 * i) * std::sin(0.9 * (j + 1)));
       }
     }
     const Tensor coef = Tensor::from_vector({kRows, kCols}, c);

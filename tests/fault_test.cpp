@@ -2,6 +2,8 @@
 // of the job, bad specs are refused naming the part that cannot be read, and a fault fires only
 // at its step and phase. The faults' effects on real runs (kill, stop, hang, exit, drop) are
 // tested through the launcher in cli_test.cpp and hardening_test.cpp.
+#include "dtrain/launch/fault.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -10,7 +12,6 @@
 #include <vector>
 
 #include "dtrain/core/error.h"
-#include "dtrain/launch/fault.h"
 
 namespace {
 
@@ -80,7 +81,8 @@ TEST(Fault, RefusesASpecItCannotReadNamingThePart) {
   EXPECT_EQ(refusal("kill:rank=0:step=2:phase=later"),
             "DTRAIN_FAULT 'kill:rank=0:step=2:phase=later': cannot read 'phase=later' " + expected);
   // A second kind is not a kind but an unknown part.
-  EXPECT_EQ(refusal("kill:stop:rank=0:step=1"), "DTRAIN_FAULT 'kill:stop:rank=0:step=1': cannot read 'stop' " + expected);
+  EXPECT_EQ(refusal("kill:stop:rank=0:step=1"),
+            "DTRAIN_FAULT 'kill:stop:rank=0:step=1': cannot read 'stop' " + expected);
   // One bad fault in a list refuses the list, even when it is another rank's.
   EXPECT_EQ(refusal("kill:rank=3:step=1,kill:rank=3"),
             "DTRAIN_FAULT 'kill:rank=3:step=1,kill:rank=3': 'kill:rank=3' needs a kind (kill, stop, delay, drop, hang "

@@ -74,16 +74,16 @@ TEST_F(Hardening, ALaunchedWorldOfAnotherSizeBecomesTheReplicasOrIsRefused) {
   const std::string job = kMlp + " --steps 10";
   ProcessResult ref = dtrain(job + " --dp 2 --metrics " + path("ref.jsonl"));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  ProcessResult adopted = dtrain("launch -n 2 -- " + std::string(DTRAIN_BINARY) + " " + job + " --metrics " +
-                                 path("m.jsonl"));
+  ProcessResult adopted =
+      dtrain("launch -n 2 -- " + std::string(DTRAIN_BINARY) + " " + job + " --metrics " + path("m.jsonl"));
   ASSERT_EQ(adopted.code, 0) << adopted.output;
   EXPECT_NE(adopted.output.find("2 workers started by the launcher: --dp 2"), std::string::npos) << adopted.output;
   EXPECT_TRUE(all_lines_json("m.jsonl"));
   EXPECT_EQ(final_record("m.jsonl")["dp"], 2);
   EXPECT_EQ(final_record("m.jsonl")["params_digest"], final_record("ref.jsonl")["params_digest"]);
 
-  ProcessResult refused = dtrain("launch -n 2 -- " + std::string(DTRAIN_BINARY) + " " + job + " --dp 1 --metrics " +
-                                 path("x.jsonl"));
+  ProcessResult refused =
+      dtrain("launch -n 2 -- " + std::string(DTRAIN_BINARY) + " " + job + " --dp 1 --metrics " + path("x.jsonl"));
   EXPECT_NE(refused.code, 0) << refused.output;
   EXPECT_NE(refused.output.find("the launcher started 2 workers (WORLD_SIZE=2) but --dp 1 x --pp 1 x --tp 1 = 1"),
             std::string::npos)
@@ -93,9 +93,10 @@ TEST_F(Hardening, ALaunchedWorldOfAnotherSizeBecomesTheReplicasOrIsRefused) {
 
 // 1. Two runs given the same --metrics: the second is refused while the first writes it.
 TEST_F(Hardening, TwoRunsNeverWriteOneMetricsFile) {
-  const pid_t first = dtrain_background(kMlp + " --steps 100000 --log-every 1 --metrics " + path("m.jsonl"),
-                                        path("first.log"), 120);
-  ASSERT_TRUE(wait_for_text(path("m.jsonl"), "\"event\":\"log\"", std::chrono::seconds(60))) << slurp(path("first.log"));
+  const pid_t first =
+      dtrain_background(kMlp + " --steps 100000 --log-every 1 --metrics " + path("m.jsonl"), path("first.log"), 120);
+  ASSERT_TRUE(wait_for_text(path("m.jsonl"), "\"event\":\"log\"", std::chrono::seconds(60)))
+      << slurp(path("first.log"));
   ProcessResult second = dtrain(kMlp + " --steps 5 --metrics " + path("m.jsonl"));
   ::kill(first, SIGTERM);
   wait_code(first);
@@ -240,7 +241,8 @@ TEST_F(Hardening, WorkersStopWhenTheirLauncherIsKilled) {
     ::dup2(fd, 2);
     // Quiet workers: one that prints would die of SIGPIPE once the launcher is gone anyway.
     const std::string args = kMlp + " --dp 2 --steps 1000000 --log-every 1000000 --heartbeat-timeout 0";
-    ::execl("/bin/sh", "sh", "-c", ("exec " + std::string(DTRAIN_BINARY) + " " + args).c_str(), static_cast<char*>(nullptr));
+    ::execl("/bin/sh", "sh", "-c", ("exec " + std::string(DTRAIN_BINARY) + " " + args).c_str(),
+            static_cast<char*>(nullptr));
     ::_exit(127);
   }
   ASSERT_TRUE(wait_for_text(path("run.log"), "[rank 0] [", std::chrono::seconds(60))) << slurp(path("run.log"));

@@ -71,8 +71,9 @@ void two_checkpoints(const std::string& dir) {
 TEST_F(HardeningValidation, IntegersOutOfTheirOptionsTypeAreRefusedNamingKeyAndValue) {
   write("dp.toml", "dp = 4294967297\n");
   refused(kMlp + " --steps 1 --config " + path("dp.toml"),
-          path("dp.toml") + ": key 'dp': 4294967297 is out of range (expected an integer from -2147483648 to "
-                            "2147483647)");
+          path("dp.toml") +
+              ": key 'dp': 4294967297 is out of range (expected an integer from -2147483648 to "
+              "2147483647)");
   write("keep.toml", "keep = -4294967295\n");
   refused(kMlp + " --steps 1 --config " + path("keep.toml"), "key 'keep': -4294967295 is out of range");
   refused(kMlp + " --steps 1 --dp 4294967297", "--dp: 4294967297 is out of range");
@@ -149,13 +150,10 @@ TEST_F(HardeningValidation, DiffRefusesANanToleranceAndNamesADirectory) {
 // trainer (no file named, no fallback); now it is damage, and the step before is used.
 TEST_F(HardeningValidation, AManifestWithFieldsOfTheWrongTypeFallsBackToTheCheckpointBefore) {
   const std::vector<std::pair<std::string, std::string>> breaks = {
-      {"\"dp\": 1", "\"dp\": \"1\""},
-      {"\"pp\": 1", "\"pp\": 1.5"},
-      {"\"tp\": 1", "\"tp\": null"},
-      {"\"dp\": 1", "\"dp\": 0"},
+      {"\"dp\": 1", "\"dp\": \"1\""},       {"\"pp\": 1", "\"pp\": 1.5"},
+      {"\"tp\": 1", "\"tp\": null"},        {"\"dp\": 1", "\"dp\": 0"},
       {"\"dp\": 1", "\"dp\": 2"},  // two ranks, one file
-      {"\"rank\": 0", "\"rank\": \"0\""},
-      {"\"name\": \"rank-0.dtm\"", "\"name\": \"rank-1.dtm\""},
+      {"\"rank\": 0", "\"rank\": \"0\""},   {"\"name\": \"rank-0.dtm\"", "\"name\": \"rank-1.dtm\""},
       {"\"step\": 20", "\"step\": \"20\""},
   };
   for (size_t i = 0; i < breaks.size(); ++i) {
@@ -196,8 +194,9 @@ TEST_F(HardeningValidation, ATrainingRunSkipsAManifestWithAStringDp) {
   std::ofstream(manifest, std::ios::trunc) << text;
   ProcessResult r = dtrain(job + " --steps 30");
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("checkpoint " + path("ck") + "/step-00000020 is not usable: manifest.json: layout field "
-                                                        "\"dp\" is \"1\", expected an integer from 1 to 256"),
+  EXPECT_NE(r.output.find("checkpoint " + path("ck") +
+                          "/step-00000020 is not usable: manifest.json: layout field "
+                          "\"dp\" is \"1\", expected an integer from 1 to 256"),
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("resumed from " + path("ck") + "/step-00000010"), std::string::npos) << r.output;
@@ -207,9 +206,11 @@ TEST_F(HardeningValidation, ATrainingRunSkipsAManifestWithAStringDp) {
 // A shard whose checksum matches (so written as it is) but whose metadata has a field of the
 // wrong type: damage, not a json type_error from read().
 TEST_F(HardeningValidation, AShardWithMetadataOfTheWrongTypeFallsBackToTheCheckpointBefore) {
-  const std::vector<std::pair<std::string, nlohmann::json>> breaks = {
-      {"step_count", "x"}, {"param_steps", nlohmann::json{{"w", "many"}}}, {"params", -1}, {"rank", "0"},
-      {"step", 20.5}};
+  const std::vector<std::pair<std::string, nlohmann::json>> breaks = {{"step_count", "x"},
+                                                                      {"param_steps", nlohmann::json{{"w", "many"}}},
+                                                                      {"params", -1},
+                                                                      {"rank", "0"},
+                                                                      {"step", 20.5}};
   for (size_t i = 0; i < breaks.size(); ++i) {
     const std::string dir = path("ck" + std::to_string(i));
     two_checkpoints(dir);
@@ -248,7 +249,8 @@ TEST_F(HardeningValidation, ACheckpointDirThatCannotBeListedOrWrittenIsRefusedAt
           "--checkpoint-dir " + path("afile") + ": exists and is not a directory");
   refused(kMlp + " --steps 20 --checkpoint-every 10 --checkpoint-dir " + path("afile/ck"),
           "--checkpoint-dir " + path("afile/ck") + ": cannot create it: Not a directory");
-  refused(kMlp + " --steps 20 --checkpoint-every 10 --checkpoint-dir /proc", "--checkpoint-dir /proc: cannot write in it");
+  refused(kMlp + " --steps 20 --checkpoint-every 10 --checkpoint-dir /proc",
+          "--checkpoint-dir /proc: cannot write in it");
   // The listing itself: an error naming the directory; a directory not made yet has no steps.
   const std::string msg = error_of([&] { dtrain::checkpoint::checkpoint_steps(path("afile")); });
   EXPECT_NE(msg.find("checkpoint dir " + path("afile") + ": cannot list it: Not a directory"), std::string::npos)
@@ -266,9 +268,9 @@ TEST_F(HardeningValidation, TwoRunsNeverWriteOneCheckpointDir) {
   {
     Checkpointer first(path("ck"), 3, nullptr, kLayout);
     const std::string msg = error_of([&] { Checkpointer second(path("ck"), 3, nullptr, kLayout); });
-    EXPECT_NE(msg.find("checkpoint dir " + path("ck") + " is in use by another run (pid " +
-                       std::to_string(::getpid()) + ")"),
-              std::string::npos)
+    EXPECT_NE(
+        msg.find("checkpoint dir " + path("ck") + " is in use by another run (pid " + std::to_string(::getpid()) + ")"),
+        std::string::npos)
         << msg;
   }
   EXPECT_EQ(error_of([&] { Checkpointer again(path("ck"), 3, nullptr, kLayout); }), "");
@@ -283,10 +285,10 @@ TEST_F(HardeningValidation, TwoRunsNeverWriteOneCheckpointDir) {
     if (holder == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_GT(holder, 0) << slurp(path("bg.log"));
-  refused(job + " --steps 100", "checkpoint dir " + path("run") + " is in use by another run (pid " +
-                                    std::to_string(holder) + ")");
-  refused(job + " --steps 100 --dp 2", "checkpoint dir " + path("run") + " is in use by another run (pid " +
-                                           std::to_string(holder) + ")");
+  refused(job + " --steps 100",
+          "checkpoint dir " + path("run") + " is in use by another run (pid " + std::to_string(holder) + ")");
+  refused(job + " --steps 100 --dp 2",
+          "checkpoint dir " + path("run") + " is in use by another run (pid " + std::to_string(holder) + ")");
   ASSERT_TRUE(wait_for_text(path("bg.log"), "step 100", std::chrono::seconds(60))) << slurp(path("bg.log"));
   ::kill(static_cast<pid_t>(holder), SIGKILL);
   wait_code(bg);

@@ -33,7 +33,8 @@ using comm::ReduceOp;
 const std::vector<size_t> kSizes = {7, 1, 131, 64, 0, 3, 5003, 5, 29};
 constexpr size_t kBucketBytes = 160 * sizeof(float);  // several buckets, some of several parameters
 
-void run_ranks(int size, const std::function<void(comm::Group&)>& fn, comm::Duration timeout = std::chrono::seconds(30)) {
+void run_ranks(int size, const std::function<void(comm::Group&)>& fn,
+               comm::Duration timeout = std::chrono::seconds(30)) {
   comm::GroupOptions o = comm::test_util::quick_options();
   o.timeout = timeout;
   comm::test_util::run_ranks(size, fn, o);
@@ -93,12 +94,14 @@ void expect_reduced(const Reducer& reducer, size_t k, const std::vector<float>& 
     const BufferView v = reducer.grad(k);
     ASSERT_EQ(v.count, want.size());
     const float* got = static_cast<const float*>(v.data);
-    for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(got[i], want[i]) << what << ", parameter " << k << "[" << i << "]";
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_EQ(got[i], want[i]) << what << ", parameter " << k << "[" << i << "]";
     return;
   }
   const size_t b = reducer.bucket_of(k);
   const auto& params = reducer.bucket_params(b);
-  const size_t offset = reducer.bucket_offsets(b)[static_cast<size_t>(std::find(params.begin(), params.end(), k) - params.begin())];
+  const size_t offset =
+      reducer.bucket_offsets(b)[static_cast<size_t>(std::find(params.begin(), params.end(), k) - params.begin())];
   const size_t piece = reducer.piece_count(b);
   const size_t lo = static_cast<size_t>(reducer.group().rank()) * piece, hi = lo + piece;
   const float* got = static_cast<const float*>(reducer.piece_grad(b).data);
@@ -192,7 +195,8 @@ TEST(Reducer, EveryExactStrategyEqualsThePlainAverageWithReadinessInAnyOrder) {
             }
           }
           reducer.finish();
-          for (size_t k = 0; k < kSizes.size(); ++k) expect_reduced(reducer, k, want[k], what + ", step " + std::to_string(step));
+          for (size_t k = 0; k < kSizes.size(); ++k)
+            expect_reduced(reducer, k, want[k], what + ", step " + std::to_string(step));
           // Buckets start in bucket order on every rank, whatever the order of readiness.
           const std::vector<BucketEvent> events = reducer.take_events();
           ASSERT_EQ(events.size(), reducer.num_buckets()) << what;

@@ -14,8 +14,7 @@ namespace {
 
 ProcessGroupDtrain& dtrain_group(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   auto* g = dynamic_cast<ProcessGroupDtrain*>(pg.get());
-  TORCH_CHECK_VALUE(g != nullptr, "dtrain: the process group's backend is '", pg->getBackendName(),
-                    "', not 'dtrain'");
+  TORCH_CHECK_VALUE(g != nullptr, "dtrain: the process group's backend is '", pg->getBackendName(), "', not 'dtrain'");
   return *g;
 }
 
@@ -42,8 +41,9 @@ PYBIND11_MODULE(_C, m) {
   py::module_::import("torch.distributed");  // registers c10d's Python types (ProcessGroup, Store, Work)
 
   py::class_<ProcessGroupDtrain, c10d::ProcessGroup, c10::intrusive_ptr<ProcessGroupDtrain>>(m, "ProcessGroupDtrain")
-      .def_property_readonly("transport", [](ProcessGroupDtrain& pg) { return pg.group().transport_kind(); },
-                             "the transport dtrain chose: shm (one host) or tcp")
+      .def_property_readonly(
+          "transport", [](ProcessGroupDtrain& pg) { return pg.group().transport_kind(); },
+          "the transport dtrain chose: shm (one host) or tcp")
       .def("flight_record", &flight_record,
            "the group's last operations, oldest first (dicts with seq, op, bytes, peer, state, error)");
 

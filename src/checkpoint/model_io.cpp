@@ -35,8 +35,8 @@ struct Reader {
   size_t end;
   size_t pos = 0;
   void need(size_t n, const char* what) const {
-    DT_CHECK(n <= end - pos, "model", "{}: truncated or corrupt: {} needs {} bytes at offset {}, {} left", path,
-             what, n, pos, end - pos);
+    DT_CHECK(n <= end - pos, "model", "{}: truncated or corrupt: {} needs {} bytes at offset {}, {} left", path, what,
+             n, pos, end - pos);
   }
   template <typename T>
   T get(const char* what) {
@@ -111,8 +111,9 @@ std::string encode_model(const ModelFile& file) {
   return out;
 }
 
-void save_model(const std::string& path, const ModelFile& file) { write_file_atomic(path, encode_model(file), "model"); }
-
+void save_model(const std::string& path, const ModelFile& file) {
+  write_file_atomic(path, encode_model(file), "model");
+}
 
 ModelFile load_model(const std::string& path) {
   // Anything but a regular file is refused by name (an ifstream on a directory failed with
@@ -146,8 +147,8 @@ ModelFile decode_model(const std::string& bytes, const std::string& path) {
   for (uint32_t i = 0; i < count; ++i) {
     std::string name = r.str(r.get<uint32_t>("name length"), "tensor name");
     const auto dtype = r.get<uint8_t>("dtype");
-    DT_CHECK(dtype <= static_cast<uint8_t>(DType::f16), "model", "{}: tensor '{}': unknown dtype code {}", path,
-             name, dtype);
+    DT_CHECK(dtype <= static_cast<uint8_t>(DType::f16), "model", "{}: tensor '{}': unknown dtype code {}", path, name,
+             dtype);
     const auto ndim = r.get<uint32_t>("ndim");
     DT_CHECK(ndim <= 16, "model", "{}: tensor '{}': {} dimensions", path, name, ndim);
     Shape shape(ndim);

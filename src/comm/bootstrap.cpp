@@ -2,14 +2,13 @@
 // the store (host identities, the transport choice, the hierarchy's shape), the transport,
 // the executor and the health hooks (Group::create); the world of a launcher (from_env) or of
 // MPI (from_mpi). Nothing here runs after the group exists.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
-
-#include <fmt/format.h>
 
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/mpi.h"
@@ -133,15 +132,14 @@ bool is_loopback(const std::string& address) {
 
 // Where the ranks of a group live: hosts numbered in order of their lowest rank.
 struct HostMap {
-  bool same_host = true;          // every rank on this rank's host
+  bool same_host = true;  // every rank on this rank's host
   int hosts = 0;
-  std::vector<int> ranks_on;      // per host
-  std::vector<int> host_of;       // per rank
-  std::vector<int> local_rank_of; // per rank: its index among its host's ranks
+  std::vector<int> ranks_on;       // per host
+  std::vector<int> host_of;        // per rank
+  std::vector<int> local_rank_of;  // per rank: its index among its host's ranks
 };
 
-HostMap meet_hosts(Store& store, const std::string& name, int rank, int size, const std::string& me,
-                   Duration timeout) {
+HostMap meet_hosts(Store& store, const std::string& name, int rank, int size, const std::string& me, Duration timeout) {
   store.set(fmt::format("{}/host/{}", name, rank), me);
   HostMap m;
   std::vector<std::string> hosts;
@@ -209,10 +207,11 @@ Group create_group(std::shared_ptr<Store> store, int rank, int size, GroupOption
   impl->kind = impl->transport->kind();
   impl->recorder = std::make_shared<detail::FlightRecorder>(options.flight_record_size);
   Group::Impl* raw = impl.get();
-  impl->executor = std::make_unique<detail::Executor>(*impl->transport, name, rank, options.timeout, impl->recorder,
-                                                      [raw](const std::string& reason) { raw->abort_hierarchy(reason); });
+  impl->executor =
+      std::make_unique<detail::Executor>(*impl->transport, name, rank, options.timeout, impl->recorder,
+                                         [raw](const std::string& reason) { raw->abort_hierarchy(reason); });
   impl->registration = health::register_group([raw](const std::string& reason) { raw->abort(reason); },
-                                               [raw] { return raw->describe_json(); });
+                                              [raw] { return raw->describe_json(); });
   if (options.heartbeat_timeout > Duration::zero() && size > 1) {
     impl->heartbeat = std::make_unique<health::Heartbeat>(
         options.heartbeat_store ? options.heartbeat_store : store, name, rank, size, options.heartbeat_interval,
@@ -343,7 +342,8 @@ Group Group::from_mpi(GroupOptions options) {
   const std::string secret = contact.substr(b + 1);
   auto store = connect_tcp_store(host, port, secret, options.timeout);
   if (options.heartbeat_timeout > Duration::zero() && !options.heartbeat_store) {
-    options.heartbeat_store = connect_tcp_store(host, port, secret, std::max(options.heartbeat_timeout, Duration(1000)));
+    options.heartbeat_store =
+        connect_tcp_store(host, port, secret, std::max(options.heartbeat_timeout, Duration(1000)));
   }
   options.transport = TransportKind::mpi;
   options.secret = secret;

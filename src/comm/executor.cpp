@@ -267,9 +267,9 @@ std::exception_ptr Executor::broken_error(const char* op, uint64_t seq) const {
   try {
     std::rethrow_exception(broken_);
   } catch (const std::exception& e) {
-    return std::make_exception_ptr(CommError(
-        op, seq, {}, fmt::format("group '{}' is broken by an earlier failure: {}", group_, e.what()), __FILE__,
-        __LINE__));
+    return std::make_exception_ptr(
+        CommError(op, seq, {}, fmt::format("group '{}' is broken by an earlier failure: {}", group_, e.what()),
+                  __FILE__, __LINE__));
   }
 }
 

@@ -23,6 +23,8 @@
 //              touching the caller's buffers, then waits (bounded) for it to acknowledge
 #pragma once
 
+#include <fmt/format.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -33,8 +35,6 @@
 #include <optional>
 #include <string>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/transport.h"
@@ -171,7 +171,7 @@ class Executor {
   bool stopping_ = false;
   uint64_t collective_seq_ = 0;  // identical on every rank: all ranks issue the same collectives
   uint64_t p2p_seq_ = 0;
-  std::exception_ptr broken_;    // written by the thread holding busy_
+  std::exception_ptr broken_;  // written by the thread holding busy_
   std::deque<Inflight> inflight_;
   size_t inflight_count_ = 0;             // inflight_.size(), readable under mu_
   std::optional<Inflight> pending_post_;  // set by a p2p body that left its request in flight

@@ -3,6 +3,7 @@
 // owns the ordering, the progress thread and the failure rule. Creation is in bootstrap.cpp.
 #include "dtrain/comm/group.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +11,6 @@
 #include <functional>
 #include <mutex>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "dtrain/comm/plan.h"
 #include "dtrain/comm/reduce.h"
@@ -42,8 +41,8 @@ bool Group::Impl::hierarchical_for(size_t bytes) const {
   return hierarchy != nullptr && detail::HierarchicalAllReduce::chosen(options.algorithm, bytes);
 }
 
-Work Group::Impl::run_plan(const std::string& op, Plan plan, const void* in, void* out, DataType dtype,
-                           ReduceOp rop, bool blocking, size_t bytes, int root) {
+Work Group::Impl::run_plan(const std::string& op, Plan plan, const void* in, void* out, DataType dtype, ReduceOp rop,
+                           bool blocking, size_t bytes, int root) {
   return executor->submit(
       op, blocking,
       [this, plan = std::move(plan), in, out, dtype, rop](uint64_t seq, Deadline deadline) {
@@ -56,12 +55,12 @@ Work Group::Impl::run_direct(const std::string& op, bool blocking,
                              std::function<void(DirectCollectives&, Deadline)> body, size_t bytes, int root) {
   return executor->submit(
       op, blocking,
-      [this, body = std::move(body)](uint64_t, Deadline deadline) { body(*transport->direct(), deadline); },
-      bytes, root);
+      [this, body = std::move(body)](uint64_t, Deadline deadline) { body(*transport->direct(), deadline); }, bytes,
+      root);
 }
 
-Work Group::Impl::submit(const std::string& op, bool blocking,
-                         std::function<void(Transport&, uint64_t, Deadline)> body, size_t bytes, int root) {
+Work Group::Impl::submit(const std::string& op, bool blocking, std::function<void(Transport&, uint64_t, Deadline)> body,
+                         size_t bytes, int root) {
   return executor->submit(
       op, blocking,
       [this, body = std::move(body)](uint64_t seq, Deadline deadline) { body(*transport, seq, deadline); }, bytes,
@@ -145,9 +144,10 @@ Work all_reduce_impl(Impl& g, const void* send, void* recv, size_t count, DataTy
         count * size_of(dtype));
   }
   if (g.direct_for(g.options.algorithm) != nullptr) {
-    return g.run_direct("all_reduce", blocking, [=](DirectCollectives& d, Deadline deadline) {
-      d.all_reduce(send, recv, count, dtype, op, deadline);
-    }, count * size_of(dtype));
+    return g.run_direct(
+        "all_reduce", blocking,
+        [=](DirectCollectives& d, Deadline deadline) { d.all_reduce(send, recv, count, dtype, op, deadline); },
+        count * size_of(dtype));
   }
   Plan plan = plan_all_reduce(g.algorithm_for(count * size_of(dtype)), g.rank, g.size, count);
   return g.run_plan("all_reduce", std::move(plan), send, recv, dtype, op, blocking, count * size_of(dtype));
@@ -167,9 +167,10 @@ Algorithm all_gather_algorithm(const Impl& g) {
 Work reduce_scatter_impl(Impl& g, const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op,
                          bool blocking) {
   if (g.direct_for(g.options.algorithm) != nullptr) {
-    return g.run_direct("reduce_scatter", blocking, [=](DirectCollectives& d, Deadline deadline) {
-      d.reduce_scatter(send, recv, recv_count, dtype, op, deadline);
-    }, recv_count * g.size * size_of(dtype));
+    return g.run_direct(
+        "reduce_scatter", blocking,
+        [=](DirectCollectives& d, Deadline deadline) { d.reduce_scatter(send, recv, recv_count, dtype, op, deadline); },
+        recv_count * g.size * size_of(dtype));
   }
   std::vector<size_t> counts(static_cast<size_t>(g.size), recv_count);
   return g.run_plan("reduce_scatter", plan_reduce_scatter(reduce_scatter_algorithm(g), g.rank, g.size, counts), send,
@@ -178,21 +179,23 @@ Work reduce_scatter_impl(Impl& g, const void* send, void* recv, size_t recv_coun
 
 Work all_gather_impl(Impl& g, const void* send, void* recv, size_t send_count, DataType dtype, bool blocking) {
   if (g.direct_for(g.options.algorithm) != nullptr) {
-    return g.run_direct("all_gather", blocking, [=](DirectCollectives& d, Deadline deadline) {
-      d.all_gather(send, recv, send_count, dtype, deadline);
-    }, send_count * size_of(dtype));
+    return g.run_direct(
+        "all_gather", blocking,
+        [=](DirectCollectives& d, Deadline deadline) { d.all_gather(send, recv, send_count, dtype, deadline); },
+        send_count * size_of(dtype));
   }
   std::vector<size_t> counts(static_cast<size_t>(g.size), send_count);
-  return g.run_plan("all_gather", plan_all_gather(all_gather_algorithm(g), g.rank, g.size, counts), send, recv,
-                    dtype, ReduceOp::sum, blocking, send_count * size_of(dtype));
+  return g.run_plan("all_gather", plan_all_gather(all_gather_algorithm(g), g.rank, g.size, counts), send, recv, dtype,
+                    ReduceOp::sum, blocking, send_count * size_of(dtype));
 }
 
 Work broadcast_impl(Impl& g, void* buffer, size_t count, DataType dtype, int root, bool blocking) {
   check_root(root, g.size, "broadcast");
   if (g.direct_for(g.options.algorithm) != nullptr) {
-    return g.run_direct("broadcast", blocking, [=](DirectCollectives& d, Deadline deadline) {
-      d.broadcast(buffer, count, dtype, root, deadline);
-    }, count * size_of(dtype), root);
+    return g.run_direct(
+        "broadcast", blocking,
+        [=](DirectCollectives& d, Deadline deadline) { d.broadcast(buffer, count, dtype, root, deadline); },
+        count * size_of(dtype), root);
   }
   return g.run_plan("broadcast", plan_broadcast(Algorithm::binomial, g.rank, g.size, count, root), buffer, buffer,
                     dtype, ReduceOp::sum, blocking, count * size_of(dtype), root);
@@ -243,7 +246,8 @@ Work Group::recv_async(void* buffer, size_t count, DataType dtype, int peer, uin
 void Group::all_reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
   Impl& g = impl("all_reduce");
   if (DirectCollectives* d = g.direct_for(g.options.algorithm)) {
-    if (g.executor->run_inline("all_reduce", count * size_of(dtype), -1, [&](Deadline deadline) { d->all_reduce(send, recv, count, dtype, op, deadline); })) {
+    if (g.executor->run_inline("all_reduce", count * size_of(dtype), -1,
+                               [&](Deadline deadline) { d->all_reduce(send, recv, count, dtype, op, deadline); })) {
       return;
     }
   }
@@ -259,8 +263,8 @@ void Group::reduce_scatter_v(const void* send, void* recv, const std::vector<siz
   Impl& g = impl("reduce_scatter_v");
   DT_CHECK(counts.size() == static_cast<size_t>(size()), "comm", "reduce_scatter_v: {} counts for a group of {}",
            counts.size(), size());
-  g.run_plan("reduce_scatter_v", plan_reduce_scatter(reduce_scatter_algorithm(g), rank(), size(), counts), send,
-             recv, dtype, op, true)
+  g.run_plan("reduce_scatter_v", plan_reduce_scatter(reduce_scatter_algorithm(g), rank(), size(), counts), send, recv,
+             dtype, op, true)
       .wait();
 }
 
@@ -293,8 +297,8 @@ void Group::gather(const void* send, void* recv, size_t count, DataType dtype, i
   Impl& g = impl("gather");
   check_root(root, size(), "gather");
   std::vector<size_t> counts(static_cast<size_t>(size()), count);
-  g.run_plan("gather", plan_gather(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype,
-             ReduceOp::sum, true)
+  g.run_plan("gather", plan_gather(Algorithm::binomial, rank(), size(), counts, root), send, recv, dtype, ReduceOp::sum,
+             true)
       .wait();
 }
 

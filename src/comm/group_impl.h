@@ -57,8 +57,7 @@ struct Group::Impl {
   // The transport's native collectives when the algorithm is auto or direct (or hier, which
   // a one-host group runs as auto) and it has them.
   DirectCollectives* direct_for(Algorithm requested) const {
-    if (requested != Algorithm::automatic && requested != Algorithm::direct &&
-        requested != Algorithm::hierarchical) {
+    if (requested != Algorithm::automatic && requested != Algorithm::direct && requested != Algorithm::hierarchical) {
       return nullptr;
     }
     return transport->direct();

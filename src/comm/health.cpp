@@ -9,8 +9,8 @@
 #include <cstdlib>
 #include <list>
 
-#include "dtrain/core/file.h"
 #include "dtrain/comm/progress.h"
+#include "dtrain/core/file.h"
 #include "dtrain/core/log.h"
 
 namespace dtrain::comm {
@@ -144,8 +144,8 @@ std::string progress_stall(Duration timeout) {
   if (age_ms < timeout.count()) return {};
   const char* what = progress_what.load(std::memory_order_relaxed);
   const int64_t step = progress_step.load(std::memory_order_relaxed);
-  return fmt::format("'{}'{} for {} ms", what != nullptr ? what : "?", step >= 0 ? fmt::format(" at step {}", step) : "",
-                     age_ms);
+  return fmt::format("'{}'{} for {} ms", what != nullptr ? what : "?",
+                     step >= 0 ? fmt::format(" at step {}", step) : "", age_ms);
 }
 
 }  // namespace health

@@ -1,10 +1,10 @@
 // In-process store for ranks running as threads.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <condition_variable>
 #include <map>
 #include <mutex>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "dtrain/comm/store.h"
 
@@ -78,9 +78,10 @@ class MemoryStore : public Store {
       for (const auto& k : keys) {
         if (data_.count(k) == 0) missing.push_back(k);
       }
-      throw CommError("store.wait", 0, {}, fmt::format("timed out after {} ms waiting for keys: {}", timeout.count(),
-                                                       fmt::join(missing, ", ")),
-                      __FILE__, __LINE__);
+      throw CommError(
+          "store.wait", 0, {},
+          fmt::format("timed out after {} ms waiting for keys: {}", timeout.count(), fmt::join(missing, ", ")),
+          __FILE__, __LINE__);
     }
   }
 

@@ -2,10 +2,9 @@
 // native collectives are MPI's non-blocking ones (MPI_Iallreduce, MPI_Ibcast, ...), all polled
 // against the group's deadline so that nothing waits without a timeout. Built only when CMake
 // found MPI (DTRAIN_HAVE_MPI); otherwise every entry point says so.
-#include "dtrain/comm/mpi.h"
-
 #include <fmt/format.h>
 
+#include "dtrain/comm/mpi.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
 
@@ -112,24 +111,36 @@ void init_runtime() {
 
 int op_index(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return 0;
-    case ReduceOp::avg: return 1;
-    case ReduceOp::max: return 2;
-    case ReduceOp::min: return 3;
-    case ReduceOp::prod: return 4;
+    case ReduceOp::sum:
+      return 0;
+    case ReduceOp::avg:
+      return 1;
+    case ReduceOp::max:
+      return 2;
+    case ReduceOp::min:
+      return 3;
+    case ReduceOp::prod:
+      return 4;
   }
   return 0;
 }
 
 MPI_Datatype mpi_type(DataType t) {
   switch (t) {
-    case DataType::f32: return MPI_FLOAT;
-    case DataType::f64: return MPI_DOUBLE;
-    case DataType::i32: return MPI_INT32_T;
-    case DataType::i64: return MPI_INT64_T;
-    case DataType::u8: return MPI_UINT8_T;
-    case DataType::bf16: return g_bf16;
-    case DataType::f16: return g_f16;
+    case DataType::f32:
+      return MPI_FLOAT;
+    case DataType::f64:
+      return MPI_DOUBLE;
+    case DataType::i32:
+      return MPI_INT32_T;
+    case DataType::i64:
+      return MPI_INT64_T;
+    case DataType::u8:
+      return MPI_UINT8_T;
+    case DataType::bf16:
+      return g_bf16;
+    case DataType::f16:
+      return g_f16;
   }
   return MPI_BYTE;
 }
@@ -138,10 +149,14 @@ MPI_Op mpi_op(DataType t, ReduceOp op) {
   if (t == DataType::bf16 || t == DataType::f16) return g_half_ops[op_index(op)];
   switch (op) {
     case ReduceOp::sum:
-    case ReduceOp::avg: return MPI_SUM;
-    case ReduceOp::max: return MPI_MAX;
-    case ReduceOp::min: return MPI_MIN;
-    case ReduceOp::prod: return MPI_PROD;
+    case ReduceOp::avg:
+      return MPI_SUM;
+    case ReduceOp::max:
+      return MPI_MAX;
+    case ReduceOp::min:
+      return MPI_MIN;
+    case ReduceOp::prod:
+      return MPI_PROD;
   }
   return MPI_SUM;
 }
@@ -258,16 +273,19 @@ class MpiTransport final : public Transport, public DirectCollectives {
         int err = rc;
         size_t k = 0;
         if (rc == MPI_ERR_IN_STATUS) {
-          while (k + 1 < status.size() && (status[k].MPI_ERROR == MPI_SUCCESS || status[k].MPI_ERROR == MPI_ERR_PENDING)) ++k;
+          while (k + 1 < status.size() &&
+                 (status[k].MPI_ERROR == MPI_SUCCESS || status[k].MPI_ERROR == MPI_ERR_PENDING))
+            ++k;
           err = status[k].MPI_ERROR;
         }
         int got = 0;
         if (p.recv) MPI_Get_count(&status[k], MPI_BYTE, &got);
         const std::string detail =
             p.recv && err == MPI_ERR_TRUNCATE
-                ? fmt::format(": the next message from rank {} is larger than the {} bytes expected (MPI tag {}, "
-                              "expected {}): the ranks issued different operations",
-                              p.peer, p.chunk_bytes[k], status[k].MPI_TAG, chunk_tag(p, k))
+                ? fmt::format(
+                      ": the next message from rank {} is larger than the {} bytes expected (MPI tag {}, "
+                      "expected {}): the ranks issued different operations",
+                      p.peer, p.chunk_bytes[k], status[k].MPI_TAG, chunk_tag(p, k))
                 : "";
         end_job(fmt::format("mpi: {} rank {} (tag {}, {} bytes) failed: {}{}", p.recv ? "recv from" : "send to", p.peer,
                             p.tag, p.bytes, mpi_message(err), detail));
@@ -326,9 +344,9 @@ class MpiTransport final : public Transport, public DirectCollectives {
     for (size_t off = 0; off < count; off += kCollectiveChunk) {
       const size_t n = std::min(kCollectiveChunk, count - off);
       MPI_Request req = MPI_REQUEST_NULL;
-      check_mpi(MPI_Ibcast(static_cast<char*>(buffer) + off * es, static_cast<int>(n), mpi_type(dtype), root, data_,
-                           &req),
-                "mpi: MPI_Ibcast");
+      check_mpi(
+          MPI_Ibcast(static_cast<char*>(buffer) + off * es, static_cast<int>(n), mpi_type(dtype), root, data_, &req),
+          "mpi: MPI_Ibcast");
       complete(req, deadline, "broadcast");
     }
   }
@@ -355,9 +373,9 @@ class MpiTransport final : public Transport, public DirectCollectives {
       in = scratch_.data();
     }
     MPI_Request req = MPI_REQUEST_NULL;
-    check_mpi(MPI_Ireduce_scatter_block(in, output, static_cast<int>(count), mpi_type(dtype), mpi_op(dtype, op), data_,
-                                        &req),
-              "mpi: MPI_Ireduce_scatter_block");
+    check_mpi(
+        MPI_Ireduce_scatter_block(in, output, static_cast<int>(count), mpi_type(dtype), mpi_op(dtype, op), data_, &req),
+        "mpi: MPI_Ireduce_scatter_block");
     complete(req, deadline, "reduce_scatter");
     finish_avg(output, count, dtype, op, size_);
   }
@@ -441,9 +459,10 @@ class MpiTransport final : public Transport, public DirectCollectives {
       if (rc != MPI_SUCCESS) end_job(fmt::format("mpi: {} failed: {}", what, mpi_message(rc)));
       if (done) return;
       if (Clock::now() >= deadline) {
-        end_job(fmt::format("mpi: {} not complete by the deadline (some rank did not call it, or called it with "
-                            "other arguments)",
-                            what));
+        end_job(
+            fmt::format("mpi: {} not complete by the deadline (some rank did not call it, or called it with "
+                        "other arguments)",
+                        what));
       }
       pause(spins);
     }

@@ -45,10 +45,9 @@ Fold::Fold(int world) : size(world), p2(1), extra(0), log2_p2(0) {
 
 namespace {
 
-constexpr Algorithm kAllAlgorithms[] = {
-    Algorithm::automatic, Algorithm::ring,   Algorithm::halving_doubling, Algorithm::recursive_doubling,
-    Algorithm::binomial,  Algorithm::linear, Algorithm::pairwise,         Algorithm::direct,
-    Algorithm::hierarchical};
+constexpr Algorithm kAllAlgorithms[] = {Algorithm::automatic,          Algorithm::ring,     Algorithm::halving_doubling,
+                                        Algorithm::recursive_doubling, Algorithm::binomial, Algorithm::linear,
+                                        Algorithm::pairwise,           Algorithm::direct,   Algorithm::hierarchical};
 
 // Measured crossover points for choose_all_reduce, in bytes per rank. Placeholders from the
 // cost model (recursive doubling pays lg(p) * n in bandwidth, halving-doubling has 2 lg(p)
@@ -125,7 +124,8 @@ Algorithm choose_all_reduce(size_t bytes, int size) {
   // 2 ranks over TCP loopback (dtrain bench collectives --transport tcp --algo ring,hd,rd):
   // rd fastest up to 64 KiB (65 us vs ring 90, hd 109), hd from 1 MiB (409 us vs rd 442, ring
   // 712; 16 MiB: hd 12.6 ms, rd 16.1, ring 18.0).
-  if (size <= 2) return bytes <= kTwoRankRecursiveDoublingMaxBytes ? Algorithm::recursive_doubling : Algorithm::halving_doubling;
+  if (size <= 2)
+    return bytes <= kTwoRankRecursiveDoublingMaxBytes ? Algorithm::recursive_doubling : Algorithm::halving_doubling;
   if (bytes <= kAllReduceRecursiveDoublingMaxBytes) return Algorithm::recursive_doubling;
   if (bytes <= kAllReduceHalvingDoublingMaxBytes) return Algorithm::halving_doubling;
   return Algorithm::ring;

@@ -1,10 +1,10 @@
 // The hierarchical all_reduce (see plan_hierarchical.h for its vocabulary).
 #include "plan_hierarchical.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "dtrain/comm/reduce.h"
 #include "executor.h"
@@ -121,8 +121,8 @@ void HierarchicalAllReduce::run(Executor& parent, const void* send, void* recv, 
     }
   }
   if (!failed && wait(ar[segments - 1])) {
-    ag[segments - 1] = local_.all_gather_async(piece + (segments - 1) * block * es, out + (segments - 1) * seg_bytes,
-                                               block, dtype);
+    ag[segments - 1] =
+        local_.all_gather_async(piece + (segments - 1) * block * es, out + (segments - 1) * seg_bytes, block, dtype);
   }
   // Every operation still touching the buffers ends before this returns or throws.
   for (auto* works : {&rs, &ar, &ag}) {

@@ -19,8 +19,7 @@ bool can_share(const Group::Impl& g) { return g.transport->mapped() != nullptr; 
 char* shared_vectors(const SharedMemory& memory, const Group::Impl& g, const char* op, size_t offset, size_t stride,
                      size_t bytes) {
   DT_CHECK(memory.valid() && can_share(g), "comm",
-           "group '{}': {} needs memory from allocate_shared on a shm group ({})", g.name, op,
-           name_of(g.kind));
+           "group '{}': {} needs memory from allocate_shared on a shm group ({})", g.name, op, name_of(g.kind));
   size_t span = 0, end = 0;
   const bool wraps = __builtin_mul_overflow(static_cast<size_t>(g.size - 1), stride, &span) ||
                      __builtin_add_overflow(span, offset, &end) || __builtin_add_overflow(end, bytes, &end);

@@ -61,18 +61,17 @@
 // handshake as the rings: see shm_transport.cpp).
 #include "shm_collectives.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "dtrain/comm/copy.h"
 #include "dtrain/comm/reduce.h"
@@ -118,14 +117,22 @@ void reduce_in_rank_order(char* dst, int p, Part part, size_t n, DataType dtype,
 
 const char* kind_name(uint64_t kind) {
   switch (kind) {
-    case 1: return "all_reduce";
-    case 2: return "broadcast";
-    case 3: return "all_gather";
-    case 4: return "reduce_scatter";
-    case 5: return "barrier";
-    case 6: return "reduce_scatter (shared memory)";
-    case 7: return "all_reduce (shared memory)";
-    default: return "unknown";
+    case 1:
+      return "all_reduce";
+    case 2:
+      return "broadcast";
+    case 3:
+      return "all_gather";
+    case 4:
+      return "reduce_scatter";
+    case 5:
+      return "barrier";
+    case 6:
+      return "reduce_scatter (shared memory)";
+    case 7:
+      return "all_reduce (shared memory)";
+    default:
+      return "unknown";
   }
 }
 
@@ -141,7 +148,9 @@ std::string describe_call(const uint64_t* rec) {
 // [lo, hi) of slice `r` of `m` elements split over `p` ranks, cut on kAlignBytes boundaries.
 std::pair<size_t, size_t> slice(size_t m, int r, int p, size_t esize) {
   const size_t align = std::max<size_t>(1, kAlignBytes / esize);
-  auto cut = [&](int k) { return k >= p ? m : std::min(m, m * static_cast<size_t>(k) / static_cast<size_t>(p) / align * align); };
+  auto cut = [&](int k) {
+    return k >= p ? m : std::min(m, m * static_cast<size_t>(k) / static_cast<size_t>(p) / align * align);
+  };
   return {cut(r), cut(r + 1)};
 }
 
@@ -275,10 +284,10 @@ void Collectives::wait_until(uint64_t target, Deadline deadline, Ready&& ready) 
         {
           // ready() may throw (it names a mismatched call); the announcement ends either way.
           const SleepAnnouncement announce(me);
-          const bool woken =
-              ready(cursor) || seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
+          const bool woken = ready(cursor) || seg_.header().abort_state.load(std::memory_order_acquire) != kNotAborted;
           if (!woken) {
-            futex_wait(me.futex, seq, std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now) + Duration{1}));
+            futex_wait(me.futex, seq,
+                       std::min<Duration>(kMaxSleep, std::chrono::ceil<Duration>(deadline - now) + Duration{1}));
           }
         }
         continue;
@@ -379,7 +388,8 @@ void Collectives::all_reduce(const void* input, void* output, size_t count, Data
     sync(deadline);
     if (small) {
       // Every rank reduces everything: one phase, identical bits everywhere.
-      reduce_in_rank_order(out + off * esize, size_, [&](int q) { return stage(q); }, m, dtype, op);
+      reduce_in_rank_order(
+          out + off * esize, size_, [&](int q) { return stage(q); }, m, dtype, op);
       // Take the lines of the slot that the next chunk writes back from the peers now, while
       // nobody waits for them (see "Staging writes"; the peers finished reading that slot
       // before they arrived here): its copy-in then writes lines this core owns.
@@ -471,21 +481,22 @@ void Collectives::all_reduce_lines(const char* in, char* out, size_t count, Data
         continue;
       }
       check_calls();  // names the other call; if the records agree, the lines broke the protocol
-      throw TransportError(TransportError::Kind::protocol, {q},
-                           fmt::format("shm: line {} of rank {} holds call {:#x} of phase {}, expected {:#x} of "
-                                       "phase {} (rank {}, call #{} on this transport)",
-                                       i, q, theirs[i].call.load(std::memory_order_relaxed),
-                                       theirs[i].phase.load(std::memory_order_relaxed), signature, target, rank_,
-                                       calls_),
-                           __FILE__, __LINE__);
+      throw TransportError(
+          TransportError::Kind::protocol, {q},
+          fmt::format("shm: line {} of rank {} holds call {:#x} of phase {}, expected {:#x} of "
+                      "phase {} (rank {}, call #{} on this transport)",
+                      i, q, theirs[i].call.load(std::memory_order_relaxed),
+                      theirs[i].phase.load(std::memory_order_relaxed), signature, target, rank_, calls_),
+          __FILE__, __LINE__);
     }
   }
   checked_ = true;
   ++calls_;
   for (int i = 0; i < lines; ++i) {
     const size_t at = static_cast<size_t>(i) * kLinePayload;
-    reduce_in_rank_order(out + at, size_, [&](int q) -> const char* { return seg_.rank(q).lines[parity][i].data; },
-                         std::min(kLinePayload, bytes - at) / esize, dtype, op);
+    reduce_in_rank_order(
+        out + at, size_, [&](int q) -> const char* { return seg_.rank(q).lines[parity][i].data; },
+        std::min(kLinePayload, bytes - at) / esize, dtype, op);
   }
 }
 
@@ -536,21 +547,22 @@ void Collectives::reduce_scatter(const void* input, void* output, size_t count, 
     char* mine = stage(rank_);
     for (int q = 0; q < size_; ++q) {
       copy_bytes(mine + static_cast<size_t>(q) * m * esize, in + (static_cast<size_t>(q) * count + off) * esize,
-                  m * esize);
+                 m * esize);
     }
     sync(deadline);
     const size_t at = static_cast<size_t>(rank_) * m * esize;
-    reduce_in_rank_order(out + off * esize, size_, [&](int q) { return stage(q) + at; }, m, dtype, op);
+    reduce_in_rank_order(
+        out + off * esize, size_, [&](int q) { return stage(q) + at; }, m, dtype, op);
   }
 }
 
-void Collectives::reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count,
-                                        DataType dtype, ReduceOp op, Deadline deadline) {
+void Collectives::reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
+                                        ReduceOp op, Deadline deadline) {
   begin({Kind::reduce_scatter_mapped, dtype, count, static_cast<uint64_t>(op)});
   const size_t at = static_cast<size_t>(rank_) * count * size_of(dtype);
   sync(deadline);  // every rank's input is written
-  reduce_in_rank_order(static_cast<char*>(output), size_, [&](int q) { return inputs + q * stride + at; }, count,
-                       dtype, op);
+  reduce_in_rank_order(
+      static_cast<char*>(output), size_, [&](int q) { return inputs + q * stride + at; }, count, dtype, op);
   sync(deadline);  // nobody reads them any more
 }
 

@@ -22,8 +22,8 @@ class Collectives final : public DirectCollectives, public MappedCollectives {
   void reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
                       Deadline deadline) override;
   void barrier(Deadline deadline) override;
-  void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
-                             ReduceOp op, Deadline deadline) override;
+  void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype, ReduceOp op,
+                             Deadline deadline) override;
   void all_reduce_mapped(char* vectors, size_t stride, size_t count, DataType dtype, ReduceOp op,
                          Deadline deadline) override;
 
@@ -75,14 +75,14 @@ class Collectives final : public DirectCollectives, public MappedCollectives {
   const int rank_;
   const int size_;
   std::function<void()> check_abort_;
-  uint64_t phase_ = 0;   // phases this rank ended (mirrors its RankSlot::arrived)
-  uint64_t calls_ = 0;   // calls made; the parity selects the call record
-  uint64_t chunk_ = 0;   // chunks moved; the parity selects the staging slot
-  uint64_t line_calls_ = 0;  // all_reduces in lines; the parity selects RankSlot::lines
-  bool checked_ = true;  // whether the current call's records were compared
+  uint64_t phase_ = 0;           // phases this rank ended (mirrors its RankSlot::arrived)
+  uint64_t calls_ = 0;           // calls made; the parity selects the call record
+  uint64_t chunk_ = 0;           // chunks moved; the parity selects the staging slot
+  uint64_t line_calls_ = 0;      // all_reduces in lines; the parity selects RankSlot::lines
+  bool checked_ = true;          // whether the current call's records were compared
   bool oversubscribed_ = false;  // more ranks than cores this process may run on
   StageWrites stage_writes_ = StageWrites::automatic;
-  bool streaming_ = false;       // stage large chunks with streaming stores
+  bool streaming_ = false;        // stage large chunks with streaming stores
   double local_ns_per_byte_ = 0;  // a plain copy between two private cached buffers; 0: not yet timed
   int probes_left_ = 0;           // publish blocks of this call still to time
   double probe_best_ = 0;         // the fastest of them, ns per byte

@@ -137,7 +137,8 @@ class Segment {
   size_t ring_bytes() const { return layout_.ring_bytes; }
   /// Staging slot `parity` (0 or 1) of rank r.
   char* stage(int r, int parity) const {
-    return base_ + layout_.stage_offset + (static_cast<size_t>(r) * 2 + static_cast<size_t>(parity)) * layout_.stage_bytes;
+    return base_ + layout_.stage_offset +
+           (static_cast<size_t>(r) * 2 + static_cast<size_t>(parity)) * layout_.stage_bytes;
   }
   size_t stage_bytes() const { return layout_.stage_bytes; }
   size_t total_bytes() const { return layout_.total_bytes; }

@@ -22,6 +22,8 @@
 //
 // Threads: post_send/post_recv/wait must not run concurrently on one transport (a concurrent
 // call throws); abort() may be called from any thread.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sched.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -35,10 +37,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "dtrain/comm/copy.h"
 #include "dtrain/comm/store.h"
@@ -605,7 +603,7 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& p
 }
 
 shm::Mapping shm::share_mapping(Store& store, const std::string& prefix, int rank, int size, size_t bytes,
-                           Duration timeout) {
+                                Duration timeout) {
   return rendezvous<shm::Mapping>(
       store, prefix, "shared memory", rank, size, timeout,
       [&](const std::string& name) { return shm::Mapping::create(name, bytes); },

@@ -108,7 +108,7 @@ struct TcpStoreServer::Impl {
   // Touched only by the server thread.
   std::unordered_map<std::string, std::string> data;
   std::vector<std::unique_ptr<Conn>> conns;
-  size_t unauthenticated = 0;  // greeted or waiting for the greeting
+  size_t unauthenticated = 0;                       // greeted or waiting for the greeting
   std::unordered_map<std::string, size_t> waiting;  // connections waiting for their greeting, by host
   store_guard::GreetingThrottle throttle;
   store_guard::RejectionLog rejections;

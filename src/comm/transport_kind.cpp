@@ -5,11 +5,16 @@ namespace dtrain::comm {
 
 const char* name_of(TransportKind kind) {
   switch (kind) {
-    case TransportKind::automatic: return "auto";
-    case TransportKind::shm: return "shm";
-    case TransportKind::tcp: return "tcp";
-    case TransportKind::mpi: return "mpi";
-    case TransportKind::none: return "none";
+    case TransportKind::automatic:
+      return "auto";
+    case TransportKind::shm:
+      return "shm";
+    case TransportKind::tcp:
+      return "tcp";
+    case TransportKind::mpi:
+      return "mpi";
+    case TransportKind::none:
+      return "none";
   }
   return "?";
 }

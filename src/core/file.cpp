@@ -61,7 +61,6 @@ std::string read_regular_file(const std::string& path, std::string* bytes, bool*
   return why;
 }
 
-
 int probe_writable(const std::string& dir) {
   std::string probe = (dir == "/" ? "/" : dir + "/") + ".dtrain-probe.XXXXXX";
   const int fd = ::mkostemp(probe.data(), O_CLOEXEC);

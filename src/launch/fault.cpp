@@ -25,8 +25,8 @@ namespace {
 void read_part(const std::string& part, Fault& f, bool& kind_given) {
   const size_t eq = part.find('=');
   const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
-  if (!kind_given && (part == "kill" || part == "stop" || part == "delay" || part == "drop" || part == "hang" ||
-                      part == "exit")) {
+  if (!kind_given &&
+      (part == "kill" || part == "stop" || part == "delay" || part == "drop" || part == "hang" || part == "exit")) {
     kind_given = true;
     f.kind = part == "kill"    ? FaultKind::kill
              : part == "stop"  ? FaultKind::stop
@@ -43,8 +43,8 @@ void read_part(const std::string& part, Fault& f, bool& kind_given) {
   } else if (key == "attempt") {
     f.attempt = value == "any" ? -1 : std::stoi(value);
   } else if (key == "phase" && (value == "step" || value == "allreduce" || value == "checkpoint")) {
-    f.phase = value == "step" ? FaultPhase::step
-                              : (value == "allreduce" ? FaultPhase::allreduce : FaultPhase::checkpoint);
+    f.phase =
+        value == "step" ? FaultPhase::step : (value == "allreduce" ? FaultPhase::allreduce : FaultPhase::checkpoint);
   } else {
     throw std::invalid_argument(part);
   }
@@ -68,9 +68,10 @@ Fault parse_fault(const std::string& spec, const std::string& one) {
                spec, part);
     }
   }
-  DT_CHECK(kind_given && f.rank >= 0 && f.step >= 1, "train",
-           "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay, drop, hang or exit) first, rank=R and step=S (S >= 1)", spec,
-           one);
+  DT_CHECK(
+      kind_given && f.rank >= 0 && f.step >= 1, "train",
+      "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay, drop, hang or exit) first, rank=R and step=S (S >= 1)",
+      spec, one);
   DT_CHECK((f.kind == FaultKind::delay) == (f.ms > 0), "train",
            "DTRAIN_FAULT '{}': '{}': ms=M (M > 0) goes with delay, and only with delay", spec, one);
   return f;

@@ -1,15 +1,14 @@
 #include "flight_records.h"
 
 #include <dirent.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
-#include <regex>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 namespace dtrain::launch {
 
@@ -28,7 +27,8 @@ std::vector<FlightRecord> read_flight_records(const std::string& dir) {
   std::vector<FlightRecord> out;
   for (const std::string& name : files) {
     std::ifstream in(dir + "/" + name);
-    out.push_back({dir + "/" + name, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())});
+    out.push_back(
+        {dir + "/" + name, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())});
   }
   return out;
 }
@@ -55,12 +55,12 @@ std::string flight_summary(const std::vector<FlightRecord>& records) {
         const std::string state = e.at("state");
         const double started = e.at("started_ms_ago").is_number() ? e.at("started_ms_ago").get<double>() : 0.0;
         const double finished = e.at("finished_ms_ago").is_number() ? e.at("finished_ms_ago").get<double>() : 0.0;
-        std::string what = fmt::format("{} #{} ({} bytes{}) on group '{}' (rank {} of {}, {})",
-                                       e.at("op").get<std::string>(), e.at("seq").get<uint64_t>(),
-                                       e.at("bytes").get<uint64_t>(),
-                                       e.at("peer").get<int>() >= 0 ? fmt::format(", peer/root {}", e.at("peer").get<int>()) : "",
-                                       g.at("group").get<std::string>(), g.at("rank").get<int>(), g.at("size").get<int>(),
-                                       g.at("transport").get<std::string>());
+        std::string what =
+            fmt::format("{} #{} ({} bytes{}) on group '{}' (rank {} of {}, {})", e.at("op").get<std::string>(),
+                        e.at("seq").get<uint64_t>(), e.at("bytes").get<uint64_t>(),
+                        e.at("peer").get<int>() >= 0 ? fmt::format(", peer/root {}", e.at("peer").get<int>()) : "",
+                        g.at("group").get<std::string>(), g.at("rank").get<int>(), g.at("size").get<int>(),
+                        g.at("transport").get<std::string>());
         if (state == "done") {
           line += fmt::format("\n    last completed {}", what);
         } else {

@@ -2,10 +2,12 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <poll.h>
 #include <sched.h>
-#include <sys/prctl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,9 +19,6 @@
 #include <fstream>
 #include <memory>
 #include <thread>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
@@ -65,14 +64,15 @@ std::vector<cpu_set_t> worker_cpus(const LaunchOptions& o) {
     const char* env = std::getenv("DTRAIN_BIND");
     bind = env != nullptr && *env != '\0' ? env : "auto";
   }
-  DT_CHECK(bind == "auto" || bind == "core" || bind == "none", "launch", "--bind '{}' (or DTRAIN_BIND): expected auto, core or none",
-           bind);
+  DT_CHECK(bind == "auto" || bind == "core" || bind == "none", "launch",
+           "--bind '{}' (or DTRAIN_BIND): expected auto, core or none", bind);
   cpu_set_t mine;
   CPU_ZERO(&mine);
   if (bind == "none" || ::sched_getaffinity(0, sizeof(mine), &mine) != 0) return {};
   std::vector<LogicalCpu> allowed;
   for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &mine)) allowed.push_back({c, read_topology(c, "physical_package_id"), read_topology(c, "core_id")});
+    if (CPU_ISSET(c, &mine))
+      allowed.push_back({c, read_topology(c, "physical_package_id"), read_topology(c, "core_id")});
   }
   const size_t n = static_cast<size_t>(o.nproc_per_node);
   const std::vector<std::vector<int>> slices = assign_cpus(allowed, n);
@@ -137,8 +137,8 @@ void flush_lines(std::string& buf, int fd, const std::string& prefix, bool final
   buf.erase(0, start);
   if (split_now && split != nullptr && !*split) {
     *split = true;
-    const std::string note =
-        fmt::format("{}(dtrain launch: this output has lines longer than {} bytes; they are split)\n", prefix, kMaxLine);
+    const std::string note = fmt::format(
+        "{}(dtrain launch: this output has lines longer than {} bytes; they are split)\n", prefix, kMaxLine);
     n = ::write(fd, note.data(), note.size());
   }
   if (final && !buf.empty()) {
@@ -247,7 +247,8 @@ std::string job_secret(const LaunchOptions& o) {
 // of an earlier start; empty when it cannot be made.
 std::string make_flight_dir() {
   const char* env = std::getenv("DTRAIN_FLIGHT_DIR");
-  std::string tmpl = (env != nullptr && *env != '\0' ? std::string(env) : std::string("/tmp")) + "/dtrain-flight-XXXXXX";
+  std::string tmpl =
+      (env != nullptr && *env != '\0' ? std::string(env) : std::string("/tmp")) + "/dtrain-flight-XXXXXX";
   return ::mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
 }
 
@@ -297,7 +298,8 @@ class Launch {
   std::string secret_;
   std::unique_ptr<comm::TcpStoreServer> server_;
   int port_ = 0;
-  struct sigaction old_int_ {}, old_term_ {};
+  struct sigaction old_int_ {
+  }, old_term_{};
   std::string flight_dir_;
   bool keep_flight_dir_ = false;
   int world_ = 0;
@@ -574,8 +576,9 @@ std::vector<Worker*> Launch::reap_exits() {
         w.exited_before_joining = true;  // a failure as soon as another rank joins (below)
       } else if (!left(w.rank)) {
         w.exit.early = true;
-        w.exit.why = "before the job ended: it joined the job's world but never left it (its peers would wait "
-                     "for it until their timeout)";
+        w.exit.why =
+            "before the job ended: it joined the job's world but never left it (its peers would wait "
+            "for it until their timeout)";
         failed_now.push_back(&w);
       }
     }
@@ -670,13 +673,14 @@ bool Launch::store_has(const std::string& key) {
   for (int attempt = 0; !probe_failed_; ++attempt) {
     try {
       if (!probe_) {
-        probe_ = comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(5));
+        probe_ =
+            comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(5));
       }
       return probe_->try_get(key).has_value();
     } catch (const std::exception& e) {
       probe_.reset();
       if (attempt == 0) continue;  // once more on a fresh connection
-      probe_failed_ = true;  // no store to ask: exits are judged by their codes alone
+      probe_failed_ = true;        // no store to ask: exits are judged by their codes alone
       std::fprintf(stderr, "dtrain launch: cannot ask the store whether workers finished: %s\n", e.what());
     }
   }
@@ -735,7 +739,8 @@ void Launch::explain_from_flight_records() {
 void Launch::finish_nodes() {
   if (o_.nnodes <= 1 || !o_.serve_store || result_.exit_code != 0) return;
   try {
-    auto store = comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(10));
+    auto store =
+        comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(10));
     finish_together(*store, "launch/done", o_.nnodes, server_ != nullptr);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dtrain launch: node %d could not report its end to the store: %s\n", o_.node_rank, e.what());

@@ -77,8 +77,8 @@ Tensor GptEmbedding::forward(const Tensor& ids) {
 }
 
 TransformerBlock::TransformerBlock(const GptConfig& cfg, int64_t /*layer*/, Generator& gen) : heads_(cfg.heads) {
-  DT_CHECK(cfg.heads > 0 && cfg.width % cfg.heads == 0, "nn", "GPT width {} is not divisible by {} heads",
-           cfg.width, cfg.heads);
+  DT_CHECK(cfg.heads > 0 && cfg.width % cfg.heads == 0, "nn", "GPT width {} is not divisible by {} heads", cfg.width,
+           cfg.heads);
   const int64_t c = cfg.width;
   ln1_ = register_module("ln1", std::make_shared<LayerNorm>(c));
   qkv_ = register_module("qkv", std::make_shared<Linear>(c, 3 * c, true, gen));

@@ -180,7 +180,8 @@ void DataParallel::synchronize() {
     }
     return;
   }
-  for (size_t b = 0; b < d.pieces.size(); ++b) d.pieces[b].set_grad(view_of(reducer.piece_grad(b), d.pieces[b].shape()));
+  for (size_t b = 0; b < d.pieces.size(); ++b)
+    d.pieces[b].set_grad(view_of(reducer.piece_grad(b), d.pieces[b].shape()));
   for (auto& [name, t] : d.params) t.zero_grad();
 }
 
@@ -249,8 +250,8 @@ std::vector<Tensor> DataParallel::gather_pieces(const std::vector<Tensor>& piece
   for (size_t j = 0; j < reducer.num_buckets(); ++j) {
     const size_t piece = reducer.piece_count(j);
     Tensor mine = pieces[j].contiguous();
-    DT_CHECK(static_cast<size_t>(mine.numel()) == piece, "ddp", "gather_pieces: bucket {} piece has {} elements, not {}",
-             j, mine.numel(), piece);
+    DT_CHECK(static_cast<size_t>(mine.numel()) == piece, "ddp",
+             "gather_pieces: bucket {} piece has {} elements, not {}", j, mine.numel(), piece);
     Tensor whole = Tensor::empty({static_cast<int64_t>(reducer.bucket_padded(j))});
     d.group().all_gather(mine.data(), whole.data(), piece, DataType::f32);
     const auto& params = reducer.bucket_params(j);
@@ -317,7 +318,8 @@ MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
       if (d.options.zero == 1) m.grad_bytes += piece_bytes;
     }
   }
-  for (const auto& [name, t] : optimizer.state()) m.optimizer_bytes += t.numel() * static_cast<int64_t>(dtype_size(t.dtype()));
+  for (const auto& [name, t] : optimizer.state())
+    m.optimizer_bytes += t.numel() * static_cast<int64_t>(dtype_size(t.dtype()));
   return m;
 }
 

@@ -1,8 +1,8 @@
 #include "dtrain/parallel/mesh.h"
 
-#include <cstdlib>
-
 #include <fmt/format.h>
+
+#include <cstdlib>
 
 #include "dtrain/core/error.h"
 

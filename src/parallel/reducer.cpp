@@ -2,13 +2,13 @@
 // synchronising are the strategies of sync.h.
 #include "dtrain/parallel/reducer.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "dtrain/comm/copy.h"
 #include "dtrain/core/error.h"
@@ -56,8 +56,8 @@ const StateEntry& state_entry(const std::vector<StateEntry>& state, const std::s
   auto it = std::find_if(state.begin(), state.end(), [&](const StateEntry& e) { return e.name == name; });
   int64_t elements = 1;
   for (int64_t s : shape) elements *= s;
-  DT_CHECK(it != state.end() && it->shape == shape && it->values.size() == static_cast<size_t>(elements), "ddp", "compression state has no '{}' of shape [{}]", name,
-           fmt::join(shape, ", "));
+  DT_CHECK(it != state.end() && it->shape == shape && it->values.size() == static_cast<size_t>(elements), "ddp",
+           "compression state has no '{}' of shape [{}]", name, fmt::join(shape, ", "));
   return *it;
 }
 
@@ -235,8 +235,7 @@ void Reducer::mark_ready(size_t k, const void* gradient) {
            "once with gradient sync on (accumulate with set_sync(false) / --accumulate)",
            d.params[k].name, d.step + 1);
   DT_CHECK(gradient != nullptr || d.params[k].values.count == 0, "ddp",
-           "parameter '{}': gradient hook fired without a contiguous f32 gradient",
-           d.params[k].name);
+           "parameter '{}': gradient hook fired without a contiguous f32 gradient", d.params[k].name);
   float* dst = d.grad_data(b) + offset;
   if (gradient != dst) comm::copy_bytes(dst, gradient, d.params[k].values.count * sizeof(float));
   d.ready[k] = true;

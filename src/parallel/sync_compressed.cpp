@@ -62,8 +62,8 @@ class ErrorFeedback {
 
  private:
   Allocate allocate_;
-  std::vector<Floats> residuals_;              // per bucket, allocated at its first use
-  std::vector<comm::CompressStats> stats_;     // per bucket, filled by its collective
+  std::vector<Floats> residuals_;           // per bucket, allocated at its first use
+  std::vector<comm::CompressStats> stats_;  // per bucket, filled by its collective
 };
 
 class CompressedAllReduceSync : public AllReduceSync {
@@ -80,7 +80,7 @@ class CompressedAllReduceSync : public AllReduceSync {
     float* residual = feedback_.add_to(b);
     float* g = b.grad.get();
     return comm::all_reduce_compressed_async(ctx_.group, g, g, b.count, codec_, comm::ReduceOp::avg, residual,
-                                                  feedback_.stats(b));
+                                             feedback_.stats(b));
   }
 
   void finished(Bucket& b) override { feedback_.count(b, volume_); }
@@ -107,7 +107,7 @@ class CompressedZeroSync : public ZeroSync {
   comm::Work start(Bucket& b) override {
     float* residual = feedback_.add_to(b);
     return comm::reduce_scatter_compressed_async(ctx_.group, b.grad.get(), b.piece_grad.get(), ctx_.piece_of(b), codec_,
-                                                      comm::ReduceOp::avg, residual, feedback_.stats(b));
+                                                 comm::ReduceOp::avg, residual, feedback_.stats(b));
   }
 
   void finished(Bucket& b) override { feedback_.count(b, volume_); }

@@ -191,9 +191,11 @@ class PowerSgdSync : public AllReduceSync {
     std::vector<StateEntry> out;
     const int64_t r = rank_;
     for (const Matrix& mat : matrices_) {
-      out.push_back({"powersgd.q." + std::to_string(mat.index), {mat.m, r},
+      out.push_back({"powersgd.q." + std::to_string(mat.index),
+                     {mat.m, r},
                      std::vector<float>(mat.q.get(), mat.q.get() + mat.m * r)});
-      out.push_back({"powersgd.error." + std::to_string(mat.index), {mat.n, mat.m},
+      out.push_back({"powersgd.error." + std::to_string(mat.index),
+                     {mat.n, mat.m},
                      std::vector<float>(mat.error.get(), mat.error.get() + mat.n * mat.m)});
     }
     return out;
@@ -217,8 +219,8 @@ class PowerSgdSync : public AllReduceSync {
     Floats error;  // (n, m)
   };
   int rank_;
-  std::vector<float*> grads_;    // each parameter's gradient slot
-  std::vector<size_t> counts_;   // and its elements
+  std::vector<float*> grads_;   // each parameter's gradient slot
+  std::vector<size_t> counts_;  // and its elements
   std::vector<Matrix> matrices_;
   std::vector<size_t> vectors_;  // parameters averaged as they are
 };

@@ -27,9 +27,9 @@ constexpr size_t kCopyingBucketBytes = size_t{16} << 10;
 // Where the buckets lie in the allocation.
 struct SharedLayout {
   comm::SharedMemory memory;
-  size_t stride = 0;            // bytes between two parts
-  std::vector<size_t> at;       // each bucket's offset in a part, in floats
-  bool values_too = false;      // ZeRO 1: the values are the first part
+  size_t stride = 0;        // bytes between two parts
+  std::vector<size_t> at;   // each bucket's offset in a part, in floats
+  bool values_too = false;  // ZeRO 1: the values are the first part
   size_t grad_at(size_t bucket) const { return (values_too ? stride : 0) + at[bucket] * sizeof(float); }
   Floats floats(size_t byte_offset) const {
     return Floats(memory.keep_alive(), reinterpret_cast<float*>(memory.data() + byte_offset));
@@ -50,7 +50,7 @@ class SharedAllReduceSync : public AllReduceSync {
     if (b.count * sizeof(float) <= kCopyingBucketBytes) return AllReduceSync::start(b);
     count_volume(b);
     return comm::all_reduce_shared_async(ctx_.group, layout_.memory, layout_.grad_at(b.index), layout_.stride, b.count,
-                                              DataType::f32, ReduceOp::avg);
+                                         DataType::f32, ReduceOp::avg);
   }
 
   bool shares_memory() const override { return true; }
@@ -77,7 +77,7 @@ class SharedZeroSync : public ZeroSync {
   comm::Work start(Bucket& b) override {
     count_volume(b);
     return comm::reduce_scatter_shared_async(ctx_.group, layout_.memory, layout_.grad_at(b.index), layout_.stride,
-                                                  b.piece_grad.get(), ctx_.piece_of(b), DataType::f32, ReduceOp::avg);
+                                             b.piece_grad.get(), ctx_.piece_of(b), DataType::f32, ReduceOp::avg);
   }
 
   // Every rank updated its piece of the one copy: wait until all did.
@@ -113,17 +113,18 @@ std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::v
   // and every rank wants the same size (a rank with another model copies, and
   // broadcast_parameters() names the difference).
   struct statvfs fs {};
-  const int64_t room = ::statvfs("/dev/shm", &fs) == 0 &&
-                       static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
-                           1.05 * static_cast<double>(bytes) + (64 << 20);
+  const int64_t room =
+      ::statvfs("/dev/shm", &fs) == 0 && static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
+                                             1.05 * static_cast<double>(bytes) + (64 << 20);
   int64_t agree[3] = {room, static_cast<int64_t>(bytes), -static_cast<int64_t>(bytes)};
   group.all_reduce(agree, agree, 3, DataType::i64, ReduceOp::min);
   if (agree[1] != -agree[2]) return nullptr;
   if (agree[0] == 0) {
     if (group.rank() == 0) {
-      DT_LOG_WARN("data parallel: /dev/shm has no room for the {} MiB of {} the ranks would share; copying "
-                  "through the collectives instead (make /dev/shm larger, e.g. docker --shm-size)",
-                  bytes >> 20, layout.values_too ? "parameters and gradients" : "gradients");
+      DT_LOG_WARN(
+          "data parallel: /dev/shm has no room for the {} MiB of {} the ranks would share; copying "
+          "through the collectives instead (make /dev/shm larger, e.g. docker --shm-size)",
+          bytes >> 20, layout.values_too ? "parameters and gradients" : "gradients");
     }
     return nullptr;
   }

@@ -1,5 +1,4 @@
 // Kernel timing and the calibration file (calibrate.h).
-#include "dtrain/core/file.h"
 #include "dtrain/plan/calibrate.h"
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 #include <functional>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/file.h"
 #include "dtrain/data/data.h"
 #include "dtrain/nn/layers.h"
 #include "dtrain/tensor/autograd.h"

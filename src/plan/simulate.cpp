@@ -162,7 +162,9 @@ class Simulator {
   bool advance_lane(int s);
   OpStart start_op(int s);
   bool advance_dp(int s);
-  bool all_finished() const { return std::all_of(finished_.begin(), finished_.end(), [](bool f) { return f; }); }
+  bool all_finished() const {
+    return std::all_of(finished_.begin(), finished_.end(), [](bool f) { return f; });
+  }
   double core_rate() const;
   void count_link_load();
   double wire_rate(const Activity& a) const;

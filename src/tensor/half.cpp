@@ -11,8 +11,8 @@ uint16_t f32_to_f16(float f) {
     return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
   }
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (abs < 0x38800000u) {  // subnormal or zero in f16
-    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);  // below half the min subnormal
+  if (abs < 0x38800000u) {                                               // subnormal or zero in f16
+    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);           // below half the min subnormal
     const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
     const int shift = 126 - static_cast<int>(abs >> 23);  // value = mant * 2^(E-150), unit 2^-24
     const uint32_t half = 1u << (shift - 1);

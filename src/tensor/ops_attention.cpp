@@ -72,11 +72,10 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   DT_CHECK(qkv_in.defined(), "tensor", "causal_attention: qkv is undefined");
   DT_CHECK(qkv_in.dtype() == DType::f32, "tensor", "causal_attention: qkv {} is {}, expected f32",
            shape_str(qkv_in.shape()), dtype_name(qkv_in.dtype()));
-  DT_CHECK(qkv_in.dim() == 3 && qkv_in.size(2) % 3 == 0, "tensor",
-           "causal_attention: qkv must be (B, T, 3C), got {}", shape_str(qkv_in.shape()));
+  DT_CHECK(qkv_in.dim() == 3 && qkv_in.size(2) % 3 == 0, "tensor", "causal_attention: qkv must be (B, T, 3C), got {}",
+           shape_str(qkv_in.shape()));
   const int64_t B = qkv_in.size(0), T = qkv_in.size(1), C = qkv_in.size(2) / 3;
-  DT_CHECK(n_head > 0 && C % n_head == 0, "tensor", "causal_attention: width {} not divisible by {} heads", C,
-           n_head);
+  DT_CHECK(n_head > 0 && C % n_head == 0, "tensor", "causal_attention: width {} not divisible by {} heads", C, n_head);
   const int64_t H = n_head, hd = C / H;
   const float scale = hd > 0 ? 1.0f / std::sqrt(static_cast<float>(hd)) : 1.0f;
   Tensor qkv = qkv_in.detach().contiguous();

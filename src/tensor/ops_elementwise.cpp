@@ -166,8 +166,8 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   for (size_t i = 0; i < n; ++i) {
     const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
     const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    DT_CHECK(da == db || da == 1 || db == 1, "tensor", "{}: shapes {} and {} cannot be broadcast", op,
-             shape_str(a), shape_str(b));
+    DT_CHECK(da == db || da == 1 || db == 1, "tensor", "{}: shapes {} and {} cannot be broadcast", op, shape_str(a),
+             shape_str(b));
     out[i] = da == 1 ? db : da;
   }
   return out;
@@ -239,20 +239,24 @@ Tensor div(const Tensor& a, const Tensor& b) {
 }
 
 Tensor add_scalar(const Tensor& a, float s) {
-  return unary_op(a, "add_scalar", [s](float x) { return x + s; }, [](float) { return 1.0f; }, true);
+  return unary_op(
+      a, "add_scalar", [s](float x) { return x + s; }, [](float) { return 1.0f; }, true);
 }
 
 Tensor mul_scalar(const Tensor& a, float s) {
-  return unary_op(a, "mul_scalar", [s](float x) { return x * s; }, [s](float) { return s; }, true);
+  return unary_op(
+      a, "mul_scalar", [s](float x) { return x * s; }, [s](float) { return s; }, true);
 }
 
 Tensor neg(const Tensor& a) {
-  return unary_op(a, "neg", [](float x) { return -x; }, [](float) { return -1.0f; }, true);
+  return unary_op(
+      a, "neg", [](float x) { return -x; }, [](float) { return -1.0f; }, true);
 }
 
 Tensor relu(const Tensor& a) {
-  return unary_op(a, "relu", [](float x) { return x > 0.0f ? x : 0.0f; },
-                  [](float y) { return y > 0.0f ? 1.0f : 0.0f; }, /*save_output=*/true);
+  return unary_op(
+      a, "relu", [](float x) { return x > 0.0f ? x : 0.0f; }, [](float y) { return y > 0.0f ? 1.0f : 0.0f; },
+      /*save_output=*/true);
 }
 
 Tensor gelu(const Tensor& a) {
@@ -270,23 +274,28 @@ Tensor gelu(const Tensor& a) {
 }
 
 Tensor tanh(const Tensor& a) {
-  return unary_op(a, "tanh", [](float x) { return std::tanh(x); }, [](float y) { return 1.0f - y * y; }, true);
+  return unary_op(
+      a, "tanh", [](float x) { return std::tanh(x); }, [](float y) { return 1.0f - y * y; }, true);
 }
 
 Tensor exp(const Tensor& a) {
-  return unary_op(a, "exp", [](float x) { return std::exp(x); }, [](float y) { return y; }, true);
+  return unary_op(
+      a, "exp", [](float x) { return std::exp(x); }, [](float y) { return y; }, true);
 }
 
 Tensor log(const Tensor& a) {
-  return unary_op(a, "log", [](float x) { return std::log(x); }, [](float x) { return 1.0f / x; }, false);
+  return unary_op(
+      a, "log", [](float x) { return std::log(x); }, [](float x) { return 1.0f / x; }, false);
 }
 
 Tensor square(const Tensor& a) {
-  return unary_op(a, "square", [](float x) { return x * x; }, [](float x) { return 2.0f * x; }, false);
+  return unary_op(
+      a, "square", [](float x) { return x * x; }, [](float x) { return 2.0f * x; }, false);
 }
 
 Tensor sqrt(const Tensor& a) {
-  return unary_op(a, "sqrt", [](float x) { return std::sqrt(x); }, [](float y) { return 0.5f / y; }, true);
+  return unary_op(
+      a, "sqrt", [](float x) { return std::sqrt(x); }, [](float y) { return 0.5f / y; }, true);
 }
 
 }  // namespace dtrain::ops

@@ -11,8 +11,8 @@ namespace dtrain::ops {
 namespace {
 
 // C (M, N) = alpha * op(A) op(B) + beta * C, row-major, contiguous operands.
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b,
-          float beta, float* c) {
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b, float beta,
+          float* c) {
   sgemm(ta, tb, m, n, k, alpha, a, std::max<int64_t>(1, ta ? m : k), b, std::max<int64_t>(1, tb ? k : n), beta, c,
         std::max<int64_t>(1, n));
 }
@@ -23,8 +23,8 @@ void check_f32(const Tensor& t, const char* op, const char* what) {
 }
 
 // Batched product of contiguous a (batch, M, K) and b (batch or 1, K, N), optional transposes.
-Tensor bmm_kernel(const Tensor& a, bool ta, const Tensor& b, bool tb, int64_t batch, int64_t m, int64_t n,
-                  int64_t k, bool b_shared) {
+Tensor bmm_kernel(const Tensor& a, bool ta, const Tensor& b, bool tb, int64_t batch, int64_t m, int64_t n, int64_t k,
+                  bool b_shared) {
   Tensor out = Tensor::empty({batch, m, n});
   const float* pa = a.data();
   const float* pb = b.data();
@@ -117,8 +117,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
            shape_str(a_in.shape()), shape_str(b_in.shape()), k, b_in.size(-2));
   const bool b_shared = b_in.dim() == 2;
   if (!b_shared) {
-    DT_CHECK(a_in.dim() == b_in.dim() && std::equal(a_in.shape().begin(), a_in.shape().end() - 2,
-                                                    b_in.shape().begin()),
+    DT_CHECK(a_in.dim() == b_in.dim() && std::equal(a_in.shape().begin(), a_in.shape().end() - 2, b_in.shape().begin()),
              "tensor", "matmul: batch dimensions of {} and {} differ", shape_str(a_in.shape()),
              shape_str(b_in.shape()));
   }

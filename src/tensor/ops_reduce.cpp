@@ -37,8 +37,8 @@ Tensor sum_kernel(const Tensor& a, const std::vector<bool>& mask) {
     o[0] = static_cast<float>(acc);
     return out;
   }
-  if (a.is_contiguous() && !mask.empty() && mask.back() &&
-      std::count(mask.begin(), mask.end(), true) == 1 && a.size(-1) > 0) {
+  if (a.is_contiguous() && !mask.empty() && mask.back() && std::count(mask.begin(), mask.end(), true) == 1 &&
+      a.size(-1) > 0) {
     const int64_t inner = a.size(-1);
     for (int64_t r = 0, rows = a.numel() / inner; r < rows; ++r) {
       double acc = 0.0;

@@ -18,7 +18,8 @@ void for_each_offset(const Shape& shape, const Shape* const (&strides)[K], Fn&& 
   }
   if (nd == 0) {
     int64_t off[K] = {};
-    [&]<size_t... I>(std::index_sequence<I...>) { fn(off[I]...); }(std::make_index_sequence<K>{});
+    [&]<size_t... I>(std::index_sequence<I...>) { fn(off[I]...); }
+    (std::make_index_sequence<K>{});
     return;
   }
   int64_t idx[16] = {};
@@ -30,7 +31,8 @@ void for_each_offset(const Shape& shape, const Shape* const (&strides)[K], Fn&& 
     int64_t o[K];
     for (size_t k = 0; k < K; ++k) o[k] = off[k];
     for (int64_t i = 0; i < inner; ++i) {
-      [&]<size_t... I>(std::index_sequence<I...>) { fn(o[I]...); }(std::make_index_sequence<K>{});
+      [&]<size_t... I>(std::index_sequence<I...>) { fn(o[I]...); }
+      (std::make_index_sequence<K>{});
       for (size_t k = 0; k < K; ++k) o[k] += inner_stride[k];
     }
     // advance the outer index

@@ -1,12 +1,12 @@
 #include "dtrain/tensor/tensor.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
@@ -21,9 +21,12 @@ size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
   }
   return "?";
 }
@@ -61,7 +64,8 @@ Storage::Storage(size_t n) : nbytes(n) {
   const size_t rounded = ((n + 63) / 64) * 64;
   data = rounded == 0 ? nullptr : std::aligned_alloc(64, rounded);
   DT_CHECK(rounded == 0 || data != nullptr, "tensor", "out of memory allocating {} bytes", n);
-  const int64_t live = g_live_bytes.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
+  const int64_t live =
+      g_live_bytes.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
   int64_t peak = g_peak_bytes.load(std::memory_order_relaxed);
   while (live > peak && !g_peak_bytes.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
   }
@@ -153,8 +157,8 @@ Tensor Tensor::full(const Shape& shape, float value) {
 
 Tensor Tensor::from_vector(const Shape& shape, const std::vector<float>& values) {
   DT_CHECK(shape_numel(shape) == static_cast<int64_t>(values.size()), "tensor",
-           "from_vector: shape {} holds {} elements but {} values were given", shape_str(shape),
-           shape_numel(shape), values.size());
+           "from_vector: shape {} holds {} elements but {} values were given", shape_str(shape), shape_numel(shape),
+           values.size());
   Tensor t = empty(shape);
   if (!values.empty()) std::memcpy(t.data(), values.data(), values.size() * sizeof(float));
   return t;
@@ -171,8 +175,8 @@ Tensor Tensor::randn(const Shape& shape, Generator& gen, float std) {
 
 Tensor Tensor::borrow(void* data, const Shape& shape, std::shared_ptr<const void> owner, DType dtype) {
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(data, static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype),
-                                            std::move(owner));
+  impl->storage =
+      std::make_shared<Storage>(data, static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype), std::move(owner));
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
@@ -269,8 +273,8 @@ Tensor Tensor::reshape(const Shape& new_shape_in) const {
     }
   }
   if (infer >= 0) {
-    DT_CHECK(known > 0 && numel() % known == 0, "tensor", "reshape {} -> {}: cannot infer -1",
-             shape_str(shape()), shape_str(new_shape_in));
+    DT_CHECK(known > 0 && numel() % known == 0, "tensor", "reshape {} -> {}: cannot infer -1", shape_str(shape()),
+             shape_str(new_shape_in));
     new_shape[infer] = numel() / known;
   }
   DT_CHECK(shape_numel(new_shape) == numel(), "tensor", "reshape {} -> {}: element counts differ ({} vs {})",
@@ -316,8 +320,8 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end) const {
   d = wrap_dim(d, dim(), "slice");
   const int64_t len = shape()[d];
-  DT_CHECK(0 <= start && start <= end && end <= len, "tensor", "slice [{}, {}) of dimension {} with size {}",
-           start, end, d, len);
+  DT_CHECK(0 <= start && start <= end && end <= len, "tensor", "slice [{}, {}) of dimension {} with size {}", start,
+           end, d, len);
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = impl_->storage;
   impl->dtype = impl_->dtype;

@@ -6,14 +6,14 @@
 // list of tensors into one buffer (all_gather's outputs, scatter's inputs, ...).
 #include "dtrain/torch/process_group.h"
 
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <sstream>
-
-#include <ATen/ATen.h>
-#include <c10/util/irange.h>
 
 #include "dtrain/comm/compressed.h"
 #include "fault.h"
@@ -40,29 +40,47 @@ void check_tensor(const at::Tensor& t, const char* op, const char* what) {
 
 std::optional<comm::DataType> dtrain_dtype(at::ScalarType s) {
   switch (s) {
-    case at::kFloat: return comm::DataType::f32;
-    case at::kDouble: return comm::DataType::f64;
-    case at::kHalf: return comm::DataType::f16;
-    case at::kBFloat16: return comm::DataType::bf16;
-    case at::kInt: return comm::DataType::i32;
-    case at::kLong: return comm::DataType::i64;
-    case at::kByte: return comm::DataType::u8;
-    default: return std::nullopt;
+    case at::kFloat:
+      return comm::DataType::f32;
+    case at::kDouble:
+      return comm::DataType::f64;
+    case at::kHalf:
+      return comm::DataType::f16;
+    case at::kBFloat16:
+      return comm::DataType::bf16;
+    case at::kInt:
+      return comm::DataType::i32;
+    case at::kLong:
+      return comm::DataType::i64;
+    case at::kByte:
+      return comm::DataType::u8;
+    default:
+      return std::nullopt;
   }
 }
 
 const char* c10d_op_name(c10d::ReduceOp::RedOpType op) {
   switch (op) {
-    case c10d::ReduceOp::SUM: return "SUM";
-    case c10d::ReduceOp::AVG: return "AVG";
-    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
-    case c10d::ReduceOp::MIN: return "MIN";
-    case c10d::ReduceOp::MAX: return "MAX";
-    case c10d::ReduceOp::BAND: return "BAND";
-    case c10d::ReduceOp::BOR: return "BOR";
-    case c10d::ReduceOp::BXOR: return "BXOR";
-    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "UNKNOWN";
+    case c10d::ReduceOp::SUM:
+      return "SUM";
+    case c10d::ReduceOp::AVG:
+      return "AVG";
+    case c10d::ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case c10d::ReduceOp::MIN:
+      return "MIN";
+    case c10d::ReduceOp::MAX:
+      return "MAX";
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM:
+      return "PREMUL_SUM";
+    default:
+      return "UNKNOWN";
   }
 }
 
@@ -74,22 +92,31 @@ comm::ReduceOp reduce_op(const c10d::ReduceOp& op, at::ScalarType s, const char*
     switch (kind) {
       case c10d::ReduceOp::SUM:
       case c10d::ReduceOp::MAX:
-      case c10d::ReduceOp::BOR: return comm::ReduceOp::max;
+      case c10d::ReduceOp::BOR:
+        return comm::ReduceOp::max;
       case c10d::ReduceOp::PRODUCT:
       case c10d::ReduceOp::MIN:
-      case c10d::ReduceOp::BAND: return comm::ReduceOp::min;
-      default: break;
+      case c10d::ReduceOp::BAND:
+        return comm::ReduceOp::min;
+      default:
+        break;
     }
     TORCH_CHECK_VALUE(false, "dtrain ", name, ": ReduceOp.", c10d_op_name(kind),
                       " is not defined for bool tensors (supported: SUM, PRODUCT, MIN, MAX, BAND, BOR)");
   }
   switch (kind) {
-    case c10d::ReduceOp::SUM: return comm::ReduceOp::sum;
-    case c10d::ReduceOp::AVG: return comm::ReduceOp::avg;
-    case c10d::ReduceOp::PRODUCT: return comm::ReduceOp::prod;
-    case c10d::ReduceOp::MIN: return comm::ReduceOp::min;
-    case c10d::ReduceOp::MAX: return comm::ReduceOp::max;
-    default: break;
+    case c10d::ReduceOp::SUM:
+      return comm::ReduceOp::sum;
+    case c10d::ReduceOp::AVG:
+      return comm::ReduceOp::avg;
+    case c10d::ReduceOp::PRODUCT:
+      return comm::ReduceOp::prod;
+    case c10d::ReduceOp::MIN:
+      return comm::ReduceOp::min;
+    case c10d::ReduceOp::MAX:
+      return comm::ReduceOp::max;
+    default:
+      break;
   }
   TORCH_CHECK_VALUE(false, "dtrain ", name, ": ReduceOp.", c10d_op_name(kind),
                     " is not supported by the dtrain backend (supported: SUM, AVG, PRODUCT, MIN, MAX)");
@@ -203,8 +230,8 @@ void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& outputs) {
 }
 
 // The one call of dtrain's compressed all_reduce (comm/compressed.h).
-comm::Work start_compressed_all_reduce(comm::Group& g, float* data, size_t count, comm::Codec codec,
-                                       comm::ReduceOp op, float* residual) {
+comm::Work start_compressed_all_reduce(comm::Group& g, float* data, size_t count, comm::Codec codec, comm::ReduceOp op,
+                                       float* residual) {
   return comm::all_reduce_compressed_async(g, data, data, count, codec, op, residual, nullptr);
 }
 
@@ -585,8 +612,8 @@ std::vector<int64_t> splits_or_even(const std::vector<int64_t>& splits, const at
                       ") does not split evenly over ", size, " ranks; pass ", what, "_split_sizes");
     return std::vector<int64_t>(static_cast<size_t>(size), rows / size);
   }
-  TORCH_CHECK_VALUE(splits.size() == static_cast<size_t>(size), "dtrain all_to_all_single: ", splits.size(), " ",
-                    what, " split sizes for a group of ", size);
+  TORCH_CHECK_VALUE(splits.size() == static_cast<size_t>(size), "dtrain all_to_all_single: ", splits.size(), " ", what,
+                    " split sizes for a group of ", size);
   int64_t total = 0;
   for (const int64_t v : splits) {
     TORCH_CHECK_VALUE(v >= 0, "dtrain all_to_all_single: negative ", what, " split size ", v);
@@ -655,9 +682,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::alltoall(std::vector<at::Tens
   for (const auto j : c10::irange(inputs.size())) {
     ins.push_back(move_buf(inputs[j], "all_to_all", "input"));
     outs.push_back(move_buf(outputs[j], "all_to_all", "output"));
-    TORCH_CHECK_TYPE(inputs[j].scalar_type() == inputs[0].scalar_type() &&
-                         outputs[j].scalar_type() == inputs[0].scalar_type(),
-                     "dtrain all_to_all: every input and output tensor must have dtype ", inputs[0].scalar_type());
+    TORCH_CHECK_TYPE(
+        inputs[j].scalar_type() == inputs[0].scalar_type() && outputs[j].scalar_type() == inputs[0].scalar_type(),
+        "dtrain all_to_all: every input and output tensor must have dtype ", inputs[0].scalar_type());
   }
   Op op;
   op.type = OpType::ALLTOALL;
@@ -735,10 +762,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::allreduce_compressed(at::Tens
   float* res = nullptr;
   if (residual.defined()) {
     check_tensor(residual, "all_reduce_compressed", "residual");
-    TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
-                          residual.numel() == tensor.numel(),
-                      "dtrain all_reduce_compressed: the residual must be a contiguous float32 tensor of ",
-                      tensor.numel(), " elements");
+    TORCH_CHECK_VALUE(
+        residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == tensor.numel(),
+        "dtrain all_reduce_compressed: the residual must be a contiguous float32 tensor of ", tensor.numel(),
+        " elements");
     TORCH_CHECK_VALUE(!overlaps(residual, dense), "dtrain all_reduce_compressed: the residual overlaps the tensor");
     res = residual.data_ptr<float>();
   }

@@ -1,9 +1,9 @@
 // Stores in both directions: dtrain's groups meeting in torch's store, and torch's rendezvous
 // meeting in dtrain launch's authenticated store.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <optional>
-
-#include <fmt/format.h>
 
 #include "dtrain/torch/process_group.h"
 

@@ -1,12 +1,11 @@
 #include "work.h"
 
+#include <ATen/core/ivalue.h>
+#include <ATen/core/jit_type.h>
 #include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
-
-#include <ATen/core/ivalue.h>
-#include <ATen/core/jit_type.h>
 
 namespace dtrain::torch_backend {
 

@@ -26,9 +26,8 @@
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <vector>
-
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
 
 #include "dtrain/comm/group.h"
 
@@ -41,13 +40,13 @@ class PendingWork final : public c10d::Work {
  public:
   PendingWork(int rank, c10d::OpType type, std::chrono::milliseconds timeout, std::weak_ptr<Completer> completer);
 
-  comm::Work inner;                      // the dtrain operation (invalid: finished at issue)
-  std::vector<at::Tensor> outputs;       // result() and the future's value
-  std::vector<at::Tensor> keep;          // buffers in use by dtrain until it completes
-  std::function<void()> epilogue;        // copies results back; runs once, on success
+  comm::Work inner;                 // the dtrain operation (invalid: finished at issue)
+  std::vector<at::Tensor> outputs;  // result() and the future's value
+  std::vector<at::Tensor> keep;     // buffers in use by dtrain until it completes
+  std::function<void()> epilogue;   // copies results back; runs once, on success
   // While deferred (under its Ordering's mutex): the operation's two forms.
-  std::function<comm::Work()> start;     // asynchronous: returns dtrain's Work
-  std::function<void()> run;             // blocking, in the calling thread
+  std::function<comm::Work()> start;  // asynchronous: returns dtrain's Work
+  std::function<void()> run;          // blocking, in the calling thread
 
   /// Ends the Work now (an operation that ran in the calling thread): epilogue, then done.
   void finish_inline(std::exception_ptr error);

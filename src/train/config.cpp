@@ -1,7 +1,9 @@
 #include "dtrain/train/config.h"
 
-#include "dtrain/parallel/ddp.h"
+#include <fmt/ranges.h>
+#include <toml++/toml.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -10,12 +12,9 @@
 #include <limits>
 #include <variant>
 
-#include <CLI/CLI.hpp>
-#include <fmt/ranges.h>
-#include <toml++/toml.h>
-
 #include "dtrain/comm/mpi.h"
 #include "dtrain/core/error.h"
+#include "dtrain/parallel/ddp.h"
 
 namespace dtrain::train {
 
@@ -255,7 +254,10 @@ void add_train_options(CLI::App& app, TrainConfig& cfg) {
           using T = std::remove_pointer_t<decltype(p)>;
           CLI::Option* opt = nullptr;
           if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
-            opt = app.add_option(flag, *p, spec.help)->delimiter(',')->expected(1, 64)->transform(integer_flag<int64_t>());
+            opt = app.add_option(flag, *p, spec.help)
+                      ->delimiter(',')
+                      ->expected(1, 64)
+                      ->transform(integer_flag<int64_t>());
           } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
             opt = app.add_option(flag, *p, spec.help)->transform(integer_flag<T>());
           } else {
@@ -318,8 +320,7 @@ void finalize(TrainConfig& c) {
            "--data '{}': expected fashion-mnist[:DIR] or text:PATH", c.data);
   DT_CHECK(!(gpt && c.data.rfind("fashion-mnist", 0) == 0), "config",
            "--model gpt needs a text corpus (--data text:PATH), got '{}'", c.data);
-  DT_CHECK(!(!gpt && c.data.rfind("text:", 0) == 0), "config",
-           "--model mlp trains on fashion-mnist, got '{}'", c.data);
+  DT_CHECK(!(!gpt && c.data.rfind("text:", 0) == 0), "config", "--model mlp trains on fashion-mnist, got '{}'", c.data);
   DT_CHECK(c.optimizer == "sgd" || c.optimizer == "adamw", "config", "--optimizer '{}': expected sgd or adamw",
            c.optimizer);
   DT_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "config",
@@ -344,8 +345,7 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.threads >= 1 && c.threads <= 256, "config", "--threads {} out of range [1, 256]", c.threads);
   DT_CHECK(c.log_every >= 1, "config", "--log-every must be at least 1, got {}", c.log_every);
   DT_CHECK(c.dropout >= 0.0f && c.dropout < 1.0f, "config", "--dropout {} not in [0, 1)", c.dropout);
-  DT_CHECK(c.val_fraction > 0.0 && c.val_fraction < 1.0, "config", "--val-fraction {} not in (0, 1)",
-           c.val_fraction);
+  DT_CHECK(c.val_fraction > 0.0 && c.val_fraction < 1.0, "config", "--val-fraction {} not in (0, 1)", c.val_fraction);
   DT_CHECK(c.dp >= 1 && c.dp <= 256, "config", "--dp {} out of range [1, 256]", c.dp);
   DT_CHECK(c.accumulate >= 1, "config", "--accumulate must be at least 1, got {}", c.accumulate);
   DT_CHECK(c.zero >= 0 && c.zero <= 2, "config", "--zero {}: expected 0, 1 or 2", c.zero);
@@ -360,8 +360,7 @@ void finalize(TrainConfig& c) {
            c.tp);
   DT_CHECK(c.micro_batches >= 1, "config", "--micro-batches must be at least 1, got {}", c.micro_batches);
   DT_CHECK(c.micro_batches == 1 || c.pp > 1, "config",
-           "--micro-batches {} needs pipeline stages (--pp 2 or more); without them use --accumulate",
-           c.micro_batches);
+           "--micro-batches {} needs pipeline stages (--pp 2 or more); without them use --accumulate", c.micro_batches);
   DT_CHECK(c.schedule == "gpipe" || c.schedule == "1f1b", "config", "--schedule '{}': expected gpipe or 1f1b",
            c.schedule);
   DT_CHECK(c.memory_limit >= 0, "config", "--memory-limit must be non-negative, got {}", c.memory_limit);
@@ -371,13 +370,14 @@ void finalize(TrainConfig& c) {
   DT_CHECK(!huge && c.batch_size % per_step == 0, "config",
            "--batch-size {} is not divisible by --dp {} x --accumulate {} x --micro-batches {} = {}: every rank and "
            "micro-batch must get the same number of samples",
-           c.batch_size, c.dp, c.accumulate, c.micro_batches, huge ? std::string("more than 2^63") : std::to_string(per_step));
+           c.batch_size, c.dp, c.accumulate, c.micro_batches,
+           huge ? std::string("more than 2^63") : std::to_string(per_step));
   const int64_t blocks = model_blocks(c);
-  DT_CHECK(c.pp <= blocks, "config", "--pp {} stages but the {} model has only {} blocks to cut between", c.pp,
-           c.model, blocks);
+  DT_CHECK(c.pp <= blocks, "config", "--pp {} stages but the {} model has only {} blocks to cut between", c.pp, c.model,
+           blocks);
   if (c.tp > 1) {
-    DT_CHECK(gpt, "config", "--tp {}: tensor parallelism splits the GPT's attention and MLP; --model {} has none",
-             c.tp, c.model);
+    DT_CHECK(gpt, "config", "--tp {}: tensor parallelism splits the GPT's attention and MLP; --model {} has none", c.tp,
+             c.model);
     DT_CHECK(c.heads % c.tp == 0, "config", "--heads {} is not divisible by --tp {}: each rank takes whole heads",
              c.heads, c.tp);
     DT_CHECK(c.width % c.tp == 0, "config", "--width {} is not divisible by --tp {}", c.width, c.tp);
@@ -397,9 +397,8 @@ void finalize(TrainConfig& c) {
   // Both become milliseconds: a positive timeout must be at least one, and neither may overflow.
   DT_CHECK(c.timeout >= 0.001 && c.timeout <= kMaxSeconds, "config", "--timeout {} not in [0.001, {}] (seconds)",
            c.timeout, kMaxSeconds);
-  DT_CHECK(c.heartbeat_timeout == 0.0 || (c.heartbeat_timeout >= 0.001 && c.heartbeat_timeout <= kMaxSeconds),
-           "config", "--heartbeat-timeout {}: expected 0 (off) or [0.001, {}] (seconds)", c.heartbeat_timeout,
-           kMaxSeconds);
+  DT_CHECK(c.heartbeat_timeout == 0.0 || (c.heartbeat_timeout >= 0.001 && c.heartbeat_timeout <= kMaxSeconds), "config",
+           "--heartbeat-timeout {}: expected 0 (off) or [0.001, {}] (seconds)", c.heartbeat_timeout, kMaxSeconds);
   DT_CHECK(c.max_restarts == 0 || !c.checkpoint_dir.empty(), "config",
            "--max-restarts {} needs --checkpoint-dir (a restart resumes from the last checkpoint)", c.max_restarts);
   DT_CHECK(c.zero == 0 || c.dp > 1, "config", "--zero {} shards over data-parallel ranks: it needs --dp 2 or more",
@@ -409,8 +408,8 @@ void finalize(TrainConfig& c) {
              "--layers {}, --width {}, --seq-len {}, --heads {} must be positive", c.layers, c.width, c.seq_len,
              c.heads);
     DT_CHECK(c.layers <= kMaxDim && c.width <= kMaxDim && c.seq_len <= kMaxDim && c.heads <= kMaxDim, "config",
-             "--layers {}, --width {}, --seq-len {}, --heads {}: each must be at most {}", c.layers, c.width,
-             c.seq_len, c.heads, kMaxDim);
+             "--layers {}, --width {}, --seq-len {}, --heads {}: each must be at most {}", c.layers, c.width, c.seq_len,
+             c.heads, kMaxDim);
     DT_CHECK(c.width % c.heads == 0, "config", "--width {} is not divisible by --heads {}", c.width, c.heads);
   } else {
     for (int64_t h : c.hidden) {

@@ -1,12 +1,11 @@
 #include "dtrain/train/metrics.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/file.h"
@@ -17,8 +16,7 @@ MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
   // Lock, then truncate: a second writer must not empty the file the first one is writing.
   fd_ = open_locked_file(path, "metrics");
   DT_CHECK(fd_ >= 0, "metrics",
-           "--metrics {}: another process is writing this file (a second run, or workers started without --dp?)",
-           path);
+           "--metrics {}: another process is writing this file (a second run, or workers started without --dp?)", path);
   if (::ftruncate(fd_, 0) != 0) {
     const int err = errno;
     ::close(fd_);
@@ -91,9 +89,9 @@ void Progress::update(int64_t step, int64_t epoch, double loss, double lr, doubl
     return;
   }
   if (step % log_every_ != 0 && step != total_) return;
-  std::fprintf(stderr, "step %ld/%ld epoch %ld loss %.4f lr %.3g %s %s/s elapsed %s eta %s\n",
-               static_cast<long>(step), static_cast<long>(total_), static_cast<long>(epoch), loss, lr,
-               format_rate(rate).c_str(), unit, format_duration(elapsed).c_str(), format_duration(eta).c_str());
+  std::fprintf(stderr, "step %ld/%ld epoch %ld loss %.4f lr %.3g %s %s/s elapsed %s eta %s\n", static_cast<long>(step),
+               static_cast<long>(total_), static_cast<long>(epoch), loss, lr, format_rate(rate).c_str(), unit,
+               format_duration(elapsed).c_str(), format_duration(eta).c_str());
 }
 
 void Progress::finish() {

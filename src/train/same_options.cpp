@@ -1,30 +1,62 @@
 #include "same_options.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "dtrain/core/error.h"
 
 namespace dtrain::train {
 
 nlohmann::json run_options(const TrainConfig& c) {
-  return nlohmann::json{
-      {"model", c.model}, {"hidden", c.hidden}, {"layers", c.layers}, {"heads", c.heads}, {"width", c.width},
-      {"seq-len", c.seq_len}, {"dropout", c.dropout}, {"val-fraction", c.val_fraction}, {"steps", c.steps},
-      {"epochs", c.epochs}, {"batch-size", c.batch_size}, {"optimizer", c.optimizer}, {"lr", c.lr},
-      {"momentum", c.momentum}, {"weight-decay", c.weight_decay}, {"beta1", c.beta1}, {"beta2", c.beta2},
-      {"eps", c.eps}, {"lr-schedule", c.lr_schedule}, {"warmup", c.warmup}, {"min-lr", c.min_lr},
-      {"clip-grad", c.clip_grad}, {"dp", c.dp}, {"accumulate", c.accumulate}, {"zero", c.zero},
-      {"bucket-mb", c.bucket_mb}, {"overlap", c.overlap}, {"share-memory", c.share_memory}, {"compress", c.compress},
-      {"pp", c.pp}, {"tp", c.tp}, {"micro-batches", c.micro_batches}, {"schedule", c.schedule}, {"stages", c.stages},
-      {"recompute", c.recompute}, {"memory-limit", c.memory_limit}, {"checkpoint-dir", c.checkpoint_dir},
-      {"checkpoint-every", c.checkpoint_every}, {"keep", c.keep}, {"checkpoint-async", c.checkpoint_async},
-      {"timeout", c.timeout}, {"backend", c.backend}, {"heartbeat-timeout", c.heartbeat_timeout}, {"seed", c.seed},
-      {"eval-batches", c.eval_batches}};
+  return nlohmann::json{{"model", c.model},
+                        {"hidden", c.hidden},
+                        {"layers", c.layers},
+                        {"heads", c.heads},
+                        {"width", c.width},
+                        {"seq-len", c.seq_len},
+                        {"dropout", c.dropout},
+                        {"val-fraction", c.val_fraction},
+                        {"steps", c.steps},
+                        {"epochs", c.epochs},
+                        {"batch-size", c.batch_size},
+                        {"optimizer", c.optimizer},
+                        {"lr", c.lr},
+                        {"momentum", c.momentum},
+                        {"weight-decay", c.weight_decay},
+                        {"beta1", c.beta1},
+                        {"beta2", c.beta2},
+                        {"eps", c.eps},
+                        {"lr-schedule", c.lr_schedule},
+                        {"warmup", c.warmup},
+                        {"min-lr", c.min_lr},
+                        {"clip-grad", c.clip_grad},
+                        {"dp", c.dp},
+                        {"accumulate", c.accumulate},
+                        {"zero", c.zero},
+                        {"bucket-mb", c.bucket_mb},
+                        {"overlap", c.overlap},
+                        {"share-memory", c.share_memory},
+                        {"compress", c.compress},
+                        {"pp", c.pp},
+                        {"tp", c.tp},
+                        {"micro-batches", c.micro_batches},
+                        {"schedule", c.schedule},
+                        {"stages", c.stages},
+                        {"recompute", c.recompute},
+                        {"memory-limit", c.memory_limit},
+                        {"checkpoint-dir", c.checkpoint_dir},
+                        {"checkpoint-every", c.checkpoint_every},
+                        {"keep", c.keep},
+                        {"checkpoint-async", c.checkpoint_async},
+                        {"timeout", c.timeout},
+                        {"backend", c.backend},
+                        {"heartbeat-timeout", c.heartbeat_timeout},
+                        {"seed", c.seed},
+                        {"eval-batches", c.eval_batches}};
 }
 
 // Ranks started with different options would deadlock (different --steps), fail late
@@ -45,8 +77,8 @@ void check_same_options(const TrainConfig& cfg, comm::Group& group) {
   group.all_gather(padded.data(), all.data(), longest, comm::DataType::u8);
   std::vector<nlohmann::json> options;
   for (int r = 0; r < n; ++r) {
-    options.push_back(nlohmann::json::parse(all.substr(longest * static_cast<size_t>(r), lengths[static_cast<size_t>(r)]),
-                                            nullptr, false));
+    options.push_back(nlohmann::json::parse(
+        all.substr(longest * static_cast<size_t>(r), lengths[static_cast<size_t>(r)]), nullptr, false));
     DT_CHECK(options.back().is_object(), "train", "rank {} sent options that are not JSON", r);
   }
   std::vector<std::string> differences;

@@ -36,7 +36,8 @@ void write_trace(const Trace& trace, const std::string& path, comm::Group* group
     return nlohmann::json{{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid}, {"args", {{"name", name}}}};
   };
   nlohmann::json ev = trace.events();
-  ev.push_back(nlohmann::json{{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
+  ev.push_back(nlohmann::json{
+      {"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
   ev.push_back(metadata(rank, 0, "compute"));
   ev.push_back(metadata(rank, 1, "communication"));
   if (world > 1 && group != nullptr && rank != 0) {

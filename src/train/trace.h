@@ -6,10 +6,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "dtrain/comm/group.h"
 

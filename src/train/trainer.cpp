@@ -5,6 +5,8 @@
 // injection lives beside the launcher (launch/fault.h).
 #include "dtrain/train/trainer.h"
 
+#include <fmt/ranges.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -12,10 +14,8 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <optional>
-
-#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "checkpoint_state.h"
 #include "dtrain/checkpoint/checkpoint.h"
@@ -75,8 +75,8 @@ std::string model_metadata(const TrainConfig& cfg) {
 DataSource build_data(const TrainConfig& cfg) {
   DataSource src;
   if (cfg.data.rfind("fashion-mnist", 0) == 0) {
-    const std::string dir = cfg.data.size() > 14 && cfg.data[13] == ':' ? cfg.data.substr(14)
-                                                                       : data::FashionMnist::kDefaultDir;
+    const std::string dir =
+        cfg.data.size() > 14 && cfg.data[13] == ':' ? cfg.data.substr(14) : data::FashionMnist::kDefaultDir;
     src.train = std::make_shared<data::FashionMnist>(dir, true);
     src.eval = std::make_shared<data::FashionMnist>(dir, false);
     return src;
@@ -371,11 +371,12 @@ void Trainer::split_stages() {
 
 void Trainer::check_memory() const {
   if (cfg_.memory_limit > 0 && need_.total() > cfg_.memory_limit) {
-    DT_THROW("train", "the model needs {} per process ({} parameters: {} of parameters, {} of "
-                                     "gradients, {} of {} state) but --memory-limit is {}; split it with --pp or --tp "
-                                     "(or shard the optimizer with --dp and --zero)",
-                                     mib(need_.total()), model_->num_parameters(), mib(need_.params), mib(need_.grads),
-                                     mib(need_.optimizer), cfg_.optimizer, mib(cfg_.memory_limit));
+    DT_THROW("train",
+             "the model needs {} per process ({} parameters: {} of parameters, {} of "
+             "gradients, {} of {} state) but --memory-limit is {}; split it with --pp or --tp "
+             "(or shard the optimizer with --dp and --zero)",
+             mib(need_.total()), model_->num_parameters(), mib(need_.params), mib(need_.grads), mib(need_.optimizer),
+             cfg_.optimizer, mib(cfg_.memory_limit));
   }
 }
 
@@ -417,9 +418,10 @@ void Trainer::resume() {
   restore_compression_state(*found, layout);
   if (lead_) {
     DT_LOG_INFO("resumed from {}/step-{:08d}: {} steps done{}", cfg_.checkpoint_dir, start_step_, start_step_,
-                found->layout != layout ? fmt::format(" (written by dp {} x pp {}, zero {})", found->layout["dp"].dump(),
-                                                      found->layout["pp"].dump(), found->layout["zero"].dump())
-                                        : std::string());
+                found->layout != layout
+                    ? fmt::format(" (written by dp {} x pp {}, zero {})", found->layout["dp"].dump(),
+                                  found->layout["pp"].dump(), found->layout["zero"].dump())
+                    : std::string());
   }
 }
 
@@ -451,9 +453,10 @@ void Trainer::restore_compression_state(const checkpoint::CheckpointFound& found
   if (!state.empty()) {
     ddp_->load_compression_state(state);
   } else if (lead_) {
-    DT_LOG_WARN("--compress {}: the checkpoint has no compression state for this layout; error feedback "
-                "starts from zero",
-                cfg_.compress);
+    DT_LOG_WARN(
+        "--compress {}: the checkpoint has no compression state for this layout; error feedback "
+        "starts from zero",
+        cfg_.compress);
   }
 }
 
@@ -499,7 +502,9 @@ void Trainer::announce() const {
   std::string layout;
   if (world_ > 1) {
     layout = fmt::format(", {} ranks ({}), {} per micro-batch", world_, mesh_->shape().str(), micro_);
-    if (ddp_) layout += fmt::format(", {} buckets{}", ddp_->num_buckets(), cfg_.zero ? fmt::format(", ZeRO-{}", cfg_.zero) : "");
+    if (ddp_)
+      layout +=
+          fmt::format(", {} buckets{}", ddp_->num_buckets(), cfg_.zero ? fmt::format(", ZeRO-{}", cfg_.zero) : "");
     if (pipelined_) {
       std::vector<std::string> cuts;
       for (const auto& r : stages_) cuts.push_back(fmt::format("{}-{}", r.begin, r.end - 1));
@@ -572,7 +577,11 @@ double Trainer::pipeline_round(int64_t step, int64_t a) {
         data::Batch b = micro_batch(step, a * M_ + m);
         return std::make_pair(b.x, b.y);
       },
-      1.0f / static_cast<float>(micro_steps_), [&](bool last) { if (ddp_) ddp_->set_sync(sync && last); }, &st);
+      1.0f / static_cast<float>(micro_steps_),
+      [&](bool last) {
+        if (ddp_) ddp_->set_sync(sync && last);
+      },
+      &st);
   compute_time_ += st.busy_s;
   for (const parallel::PipeSpan& sp : st.spans) {
     trace_->span(sp.forward ? "forward" : "backward", static_cast<int>(a * M_ + sp.micro), 0, sp.start, sp.end,
@@ -690,7 +699,8 @@ void Trainer::log_step(int64_t step, double step_loss) {
   interval_loss_ += step_loss;
   ++interval_steps_;
   const double samples = static_cast<double>((step + 1 - start_step_) * batch_);
-  const double rate = text_ ? samples * static_cast<double>(src_.tokens_per_sample) / train_time_ : samples / train_time_;
+  const double rate =
+      text_ ? samples * static_cast<double>(src_.tokens_per_sample) / train_time_ : samples / train_time_;
   if ((step + 1) % cfg_.log_every == 0 || step + 1 == total_steps_) {
     double mean = interval_loss_ / static_cast<double>(interval_steps_);
     if (group_) {
@@ -764,8 +774,7 @@ nlohmann::json Trainer::final_record() {
       train_time_ > 0 ? static_cast<double>((total_steps_ - start_step_) * batch_) / train_time_ : 0.0;
   result_.tokens_per_s = result_.samples_per_s * static_cast<double>(src_.tokens_per_sample);
   // The whole model's FLOPs (a stage knows its model's full configuration).
-  result_.model_flops_per_s =
-      3.0 * model_->flops_per_sample() * (text_ ? result_.tokens_per_s : result_.samples_per_s);
+  result_.model_flops_per_s = 3.0 * model_->flops_per_sample() * (text_ ? result_.tokens_per_s : result_.samples_per_s);
   return nlohmann::json{{"event", "final"},
                         {"model", cfg_.model},
                         {"steps", result_.steps},

@@ -6,6 +6,7 @@
 // bytes (effbw), wirebw the bytes on the wire, and the check accepts every element within the
 // collective's derived error bound. Started without RANK in the environment it launches -n
 // copies of itself through dtrain launch.
+#include <fmt/format.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -16,23 +17,21 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
 #include "commands.h"
-#include "dtrain/core/file.h"
 #include "dtrain/comm/compress.h"
 #include "dtrain/comm/compressed.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/reduce.h"
 #include "dtrain/comm/shared.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/file.h"
 #include "dtrain/tensor/half.h"
 
 namespace dtrain::tools {
@@ -52,25 +51,46 @@ double now_s() { return Seconds(std::chrono::steady_clock::now().time_since_epoc
 
 void store_value(void* buf, size_t i, DataType t, double v) {
   switch (t) {
-    case DataType::f32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
-    case DataType::f64: static_cast<double*>(buf)[i] = v; break;
-    case DataType::bf16: static_cast<uint16_t*>(buf)[i] = f32_to_bf16(static_cast<float>(v)); break;
-    case DataType::f16: static_cast<uint16_t*>(buf)[i] = f32_to_f16(static_cast<float>(v)); break;
-    case DataType::i32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
-    case DataType::i64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
-    case DataType::u8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
+    case DataType::f32:
+      static_cast<float*>(buf)[i] = static_cast<float>(v);
+      break;
+    case DataType::f64:
+      static_cast<double*>(buf)[i] = v;
+      break;
+    case DataType::bf16:
+      static_cast<uint16_t*>(buf)[i] = f32_to_bf16(static_cast<float>(v));
+      break;
+    case DataType::f16:
+      static_cast<uint16_t*>(buf)[i] = f32_to_f16(static_cast<float>(v));
+      break;
+    case DataType::i32:
+      static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v);
+      break;
+    case DataType::i64:
+      static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v);
+      break;
+    case DataType::u8:
+      static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v);
+      break;
   }
 }
 
 double load_value(const void* buf, size_t i, DataType t) {
   switch (t) {
-    case DataType::f32: return static_cast<const float*>(buf)[i];
-    case DataType::f64: return static_cast<const double*>(buf)[i];
-    case DataType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::f16: return f16_to_f32(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::i32: return static_cast<const int32_t*>(buf)[i];
-    case DataType::i64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
-    case DataType::u8: return static_cast<const uint8_t*>(buf)[i];
+    case DataType::f32:
+      return static_cast<const float*>(buf)[i];
+    case DataType::f64:
+      return static_cast<const double*>(buf)[i];
+    case DataType::bf16:
+      return bf16_to_f32(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::f16:
+      return f16_to_f32(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::i32:
+      return static_cast<const int32_t*>(buf)[i];
+    case DataType::i64:
+      return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
+    case DataType::u8:
+      return static_cast<const uint8_t*>(buf)[i];
   }
   return 0;
 }
@@ -79,11 +99,15 @@ double load_value(const void* buf, size_t i, DataType t) {
 // ranks so bf16 and u8 hold them), and the expected reduction of element i over p ranks.
 double input_value(ReduceOp op, int rank, int p, size_t i) {
   switch (op) {
-    case ReduceOp::sum: return static_cast<double>((rank + 1) * static_cast<int>(i % 5 + 1));
-    case ReduceOp::avg: return rank == 0 ? static_cast<double>(p * static_cast<int>(i % 5 + 1)) : 0.0;
-    case ReduceOp::prod: return (i + static_cast<size_t>(rank)) % 3 == 0 ? 2.0 : 1.0;
+    case ReduceOp::sum:
+      return static_cast<double>((rank + 1) * static_cast<int>(i % 5 + 1));
+    case ReduceOp::avg:
+      return rank == 0 ? static_cast<double>(p * static_cast<int>(i % 5 + 1)) : 0.0;
+    case ReduceOp::prod:
+      return (i + static_cast<size_t>(rank)) % 3 == 0 ? 2.0 : 1.0;
     case ReduceOp::max:
-    case ReduceOp::min: return static_cast<double>((i * 7 + static_cast<size_t>(rank) * 3) % 11);
+    case ReduceOp::min:
+      return static_cast<double>((i * 7 + static_cast<size_t>(rank) * 3) % 11);
   }
   return 0;
 }
@@ -94,10 +118,18 @@ double expected_value(ReduceOp op, int p, size_t i) {
     const double v = input_value(op, r, p, i);
     switch (op) {
       case ReduceOp::sum:
-      case ReduceOp::avg: acc += v; break;
-      case ReduceOp::prod: acc *= v; break;
-      case ReduceOp::max: acc = std::max(acc, v); break;
-      case ReduceOp::min: acc = std::min(acc, v); break;
+      case ReduceOp::avg:
+        acc += v;
+        break;
+      case ReduceOp::prod:
+        acc *= v;
+        break;
+      case ReduceOp::max:
+        acc = std::max(acc, v);
+        break;
+      case ReduceOp::min:
+        acc = std::min(acc, v);
+        break;
     }
   }
   return op == ReduceOp::avg ? acc / p : acc;
@@ -124,12 +156,15 @@ Op parse_op_name(const std::string& s) {
 double bus_factor(Op op, int p) {
   const double n = p;
   switch (op) {
-    case Op::allreduce: return 2.0 * (n - 1) / n;
+    case Op::allreduce:
+      return 2.0 * (n - 1) / n;
     case Op::allgather:
     case Op::reducescatter:
-    case Op::alltoall: return (n - 1) / n;
+    case Op::alltoall:
+      return (n - 1) / n;
     case Op::broadcast:
-    case Op::sendrecv: return 1.0;
+    case Op::sendrecv:
+      return 1.0;
   }
   return 1.0;
 }
@@ -148,7 +183,7 @@ struct Case {
   std::vector<char> send, recv;
   comm::SharedMemory shared;  // --shared: every rank's vector, `stride` bytes apart
   size_t stride = 0;
-  char* in = nullptr;         // this rank's input: send, or its vector in `shared`
+  char* in = nullptr;          // this rank's input: send, or its vector in `shared`
   std::optional<Codec> codec;  // the compressed collective (f32 all_reduce / reduce_scatter)
   comm::CompressStats stats;   // added to by every compressed run
 
@@ -217,10 +252,18 @@ struct Case {
           g->all_reduce(in, out(), count, dtype, redop);
         }
         break;
-      case Op::allgather: g->all_gather(in, recv.data(), block, dtype); break;
-      case Op::reducescatter: g->reduce_scatter(in, recv.data(), block, dtype, redop); break;
-      case Op::broadcast: g->broadcast(in, count, dtype, 0); break;
-      case Op::alltoall: g->all_to_all(in, recv.data(), block, dtype); break;
+      case Op::allgather:
+        g->all_gather(in, recv.data(), block, dtype);
+        break;
+      case Op::reducescatter:
+        g->reduce_scatter(in, recv.data(), block, dtype, redop);
+        break;
+      case Op::broadcast:
+        g->broadcast(in, count, dtype, 0);
+        break;
+      case Op::alltoall:
+        g->all_to_all(in, recv.data(), block, dtype);
+        break;
       case Op::sendrecv: {
         if (p == 1) {
           std::memcpy(recv.data(), in, count * es());
@@ -247,7 +290,8 @@ struct Case {
         for (size_t i = 0; i < count; ++i) expect(res, i, cast(expected_value(redop, p, i)));
         break;
       case Op::reducescatter:
-        for (size_t i = 0; i < block; ++i) expect(res, i, cast(expected_value(redop, p, static_cast<size_t>(r) * block + i)));
+        for (size_t i = 0; i < block; ++i)
+          expect(res, i, cast(expected_value(redop, p, static_cast<size_t>(r) * block + i)));
         break;
       case Op::allgather:
         for (size_t i = 0; i < count; ++i) expect(res, i, tag_value(static_cast<int>(i / block), i % block));
@@ -376,8 +420,8 @@ double reduce_gamma(DataType dtype) {
 }
 
 struct PingPong {
-  double alpha = 0;  // seconds
-  double beta = 0;   // seconds per byte
+  double alpha = 0;                               // seconds
+  double beta = 0;                                // seconds per byte
   std::vector<std::pair<size_t, double>> points;  // bytes, one-way seconds
 };
 
@@ -453,10 +497,20 @@ size_t parse_bytes(const std::string& text) {
   std::string digits = text;
   if (!text.empty()) {
     switch (text.back()) {
-      case 'K': case 'k': mult = size_t{1} << 10; break;
-      case 'M': case 'm': mult = size_t{1} << 20; break;
-      case 'G': case 'g': mult = size_t{1} << 30; break;
-      default: break;
+      case 'K':
+      case 'k':
+        mult = size_t{1} << 10;
+        break;
+      case 'M':
+      case 'm':
+        mult = size_t{1} << 20;
+        break;
+      case 'G':
+      case 'g':
+        mult = size_t{1} << 30;
+        break;
+      default:
+        break;
     }
     if (mult != 1) digits.pop_back();
   }
@@ -550,7 +604,10 @@ void print_sweep_title(const CollBenchOptions& o, const SweepCase& s) {
                                   : fmt::format("algo {}", comm::name_of(s.algo));
   std::printf("# %s %s%s%s, %s, %s\n", s.op_name.c_str(), comm::name_of(s.dtype), reducing ? " " : "",
               reducing ? comm::name_of(s.redop) : "",
-              o.shared ? "in place in shared memory" : s.inplace ? "in place" : "out of place", how.c_str());
+              o.shared    ? "in place in shared memory"
+              : s.inplace ? "in place"
+                          : "out of place",
+              how.c_str());
   std::fflush(stdout);
 }
 
@@ -609,9 +666,9 @@ void report(const CollBenchOptions& o, Group& g, const SweepCase& s, const Case&
     report_compressed(s, c, r, p50, p99, busbw, rows);
     return;
   }
-  std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes),
-              c.count, comm::name_of(s.dtype), reducing ? comm::name_of(s.redop) : "-", ran_name, p50 * 1e6,
-              p99 * 1e6, algbw, busbw, busbw / m.copy_gbs, static_cast<unsigned long long>(r.wrong));
+  std::printf("%12zu %11zu %5s %6s %7s %10.2f %10.2f %9.3f %9.3f %7.3f %6llu", static_cast<size_t>(data_bytes), c.count,
+              comm::name_of(s.dtype), reducing ? comm::name_of(s.redop) : "-", ran_name, p50 * 1e6, p99 * 1e6, algbw,
+              busbw, busbw / m.copy_gbs, static_cast<unsigned long long>(r.wrong));
   if (model > 0) std::printf(" %10.2f %11.2f", model * 1e6, p50 / model);
   std::printf("\n");
   std::fflush(stdout);
@@ -663,8 +720,8 @@ struct Sweeps {
   std::vector<ReduceOp> redops;
   std::vector<Algorithm> algos;
   std::vector<std::optional<Codec>> codecs = {std::nullopt};  // --compress: the compressed collectives
-  std::vector<size_t> counts;                                  // --counts instead of the byte sweep
-  std::vector<bool> placements;                                // all_reduce in place or not
+  std::vector<size_t> counts;                                 // --counts instead of the byte sweep
+  std::vector<bool> placements;                               // all_reduce in place or not
 };
 
 // --compress: the compressed collectives (f32, sum or avg, all_reduce and reduce_scatter).
@@ -784,7 +841,8 @@ void print_header(const CollBenchOptions& o, Group& world, const Machine& m) {
   std::printf("# memcpy (one core): %.2f GB/s; bus/cpy = busbw as a fraction of it\n", m.copy_gbs);
   if (m.model) {
     std::printf("# ping-pong rank 0 <-> 1 (%s): alpha %.2f us, beta %.4f ns/B (%.2f GB/s); reduce gamma %.4f ns/B\n",
-                comm::name_of(world.transport_kind()), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta, m.gamma * 1e9);
+                comm::name_of(world.transport_kind()), m.pp.alpha * 1e6, m.pp.beta * 1e9, 1e-9 / m.pp.beta,
+                m.gamma * 1e9);
     for (auto [b, t] : m.pp.points) std::printf("#   %9zu B one-way %9.2f us\n", b, t * 1e6);
   }
   if (o.compress.empty()) {
@@ -845,16 +903,19 @@ int worker(const CollBenchOptions& o) {
   const uint64_t total_wrong = run_sweeps(o, w, world, m, doc["rows"]);
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
-  double cpu[2] = {seconds_of(ru.ru_utime) - seconds_of(ru0.ru_utime), seconds_of(ru.ru_stime) - seconds_of(ru0.ru_stime)};
+  double cpu[2] = {seconds_of(ru.ru_utime) - seconds_of(ru0.ru_utime),
+                   seconds_of(ru.ru_stime) - seconds_of(ru0.ru_stime)};
   world.all_reduce(cpu, cpu, 2, DataType::f64, ReduceOp::sum);
   const double wall = now_s() - wall0;
   doc["wall_s"] = wall;
   doc["cpu_user_s"] = cpu[0];
   doc["cpu_sys_s"] = cpu[1];
   if (rank == 0) {
-    std::printf("# wall %.2f s; CPU time of all %d ranks: user %.2f s + sys %.2f s = %.2f cores busy on average (%d cores)\n",
-                wall, p, cpu[0], cpu[1], (cpu[0] + cpu[1]) / wall, m.cores);
-    if (total_wrong != 0) std::printf("# WRONG RESULTS: %llu elements differ\n", static_cast<unsigned long long>(total_wrong));
+    std::printf(
+        "# wall %.2f s; CPU time of all %d ranks: user %.2f s + sys %.2f s = %.2f cores busy on average (%d cores)\n",
+        wall, p, cpu[0], cpu[1], (cpu[0] + cpu[1]) / wall, m.cores);
+    if (total_wrong != 0)
+      std::printf("# WRONG RESULTS: %llu elements differ\n", static_cast<unsigned long long>(total_wrong));
     if (!o.json.empty()) {
       write_file_atomic(o.json, doc.dump(1) + "\n", "bench");
     }

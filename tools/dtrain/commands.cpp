@@ -1,13 +1,13 @@
 #include "commands.h"
 
-#include <algorithm>
-#include <chrono>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <cstdlib>
+#include <ctime>
 
 #include "bench_gemm.h"
 #include "dtrain/checkpoint/model_io.h"
@@ -75,8 +75,9 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
     return launch_self(train::world_size(cfg), argv, true, cfg.max_restarts, cfg.min_workers);
   }
   const train::TrainResult r = train::run_training(cfg);
-  const bool lead = mpi && train::world_size(cfg) > 1 ? comm::mpi_world().rank == 0
-                                                      : rank_env == nullptr || !in_world || std::string(rank_env) == "0";
+  const bool lead = mpi && train::world_size(cfg) > 1
+                        ? comm::mpi_world().rank == 0
+                        : rank_env == nullptr || !in_world || std::string(rank_env) == "0";
   if (!lead) return 0;
   if (r.test_accuracy >= 0) {
     std::printf("final: steps %ld  train loss %.4f  test accuracy %.4f  %.1f samples/s  peak RSS %.1f MiB\n",
@@ -163,8 +164,8 @@ int run_launch(const launch::LaunchOptions& options) {
     ::localtime_r(&tt, &tm);
     char stamp[32];
     std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M:%S", &tm);
-    const int ms = static_cast<int>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+    const int ms =
+        static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
     std::fprintf(stderr, "dtrain launch: [%s.%03d] job failed after %.1f s:\n%s", stamp, ms, s, r.report.c_str());
     if (attempt >= opts.max_restarts) return r.exit_code;
     // Elastic: a worker slot that failed on two starts in a row does not come back; with

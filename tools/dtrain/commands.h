@@ -47,10 +47,10 @@ struct PipeBenchOptions {
   int stages = 4;
   int micro_batches = 8;
   std::string schedule = "1f1b";
-  int64_t forward_us = 16000;  // one micro-batch's forward through one stage
-  int64_t backward_us = 32000; // and its backward
+  int64_t forward_us = 16000;   // one micro-batch's forward through one stage
+  int64_t backward_us = 32000;  // and its backward
   int blocks_per_stage = 2;
-  int64_t payload = 65536;     // floats per activation and gradient message
+  int64_t payload = 65536;  // floats per activation and gradient message
   int steps = 4;
   int warmup = 2;
   bool json = false;

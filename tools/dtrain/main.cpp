@@ -1,17 +1,17 @@
 // dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan, sweep.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
 
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
-
 #include "bench_gemm.h"
 #include "commands.h"
+#include "dtrain/comm/mpi.h"
+#include "dtrain/core/error.h"
+#include "dtrain/launch/launcher.h"
 #include "plan_command.h"
 #include "sweep_command.h"
-#include "dtrain/comm/mpi.h"
-#include "dtrain/launch/launcher.h"
-#include "dtrain/core/error.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"dtrain: train neural networks across processes and machines"};
@@ -30,15 +30,18 @@ int main(int argc, char** argv) {
   diff->add_flag("--quiet", diff_opts.quiet, "print only the overall line");
 
   dtrain::launch::LaunchOptions launch_opts;
-  CLI::App* launch = app.add_subcommand("launch", "start N local workers of a job: dtrain launch -n N -- PROGRAM ARGS...");
+  CLI::App* launch =
+      app.add_subcommand("launch", "start N local workers of a job: dtrain launch -n N -- PROGRAM ARGS...");
   launch->add_option("-n,--nproc-per-node", launch_opts.nproc_per_node, "workers on this node")->capture_default_str();
   std::string nnodes = "1";
-  launch->add_option("--nnodes", nnodes,
-                     "nodes in the job: N, or MIN:MAX for an elastic job (nodes may leave and join; the workers "
-                     "restart from their checkpoints in each new world)")
+  launch
+      ->add_option("--nnodes", nnodes,
+                   "nodes in the job: N, or MIN:MAX for an elastic job (nodes may leave and join; the workers "
+                   "restart from their checkpoints in each new world)")
       ->capture_default_str();
-  launch->add_option("--last-call", launch_opts.last_call_seconds,
-                     "elastic: once MIN nodes are in, seconds to wait for more before starting")
+  launch
+      ->add_option("--last-call", launch_opts.last_call_seconds,
+                   "elastic: once MIN nodes are in, seconds to wait for more before starting")
       ->capture_default_str();
   launch->add_option("--node-rank", launch_opts.node_rank, "this node's index (node 0 hosts the store)")
       ->capture_default_str();
@@ -47,13 +50,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   launch->add_option("--grace", launch_opts.grace_seconds, "seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
-  launch->add_option("--max-restarts", launch_opts.max_restarts,
-                     "after a worker fails, start all workers again up to this many times (they resume from their "
-                     "checkpoints; DTRAIN_RESTART tells them which start this is)")
+  launch
+      ->add_option("--max-restarts", launch_opts.max_restarts,
+                   "after a worker fails, start all workers again up to this many times (they resume from their "
+                   "checkpoints; DTRAIN_RESTART tells them which start this is)")
       ->capture_default_str();
-  launch->add_option("--min-workers", launch_opts.min_workers,
-                     "elastic: a worker that failed on two starts in a row is dropped while at least this many "
-                     "remain (0: never)")
+  launch
+      ->add_option("--min-workers", launch_opts.min_workers,
+                   "elastic: a worker that failed on two starts in a row is dropped while at least this many "
+                   "remain (0: never)")
       ->capture_default_str();
   launch->add_option("--bind", launch_opts.bind,
                      "CPU binding: core (local rank i gets the i-th equal slice of the CPUs), none, or auto: core "
@@ -82,12 +87,14 @@ int main(int argc, char** argv) {
   CLI::App* colls = bench->add_subcommand(
       "collectives", "nccl-tests style sweep of one collective over message sizes on -n local processes");
   colls->add_option("-n,--nranks", coll.nranks, "ranks (processes) to launch")->capture_default_str();
-  colls->add_option("--op", coll.op,
-                    "allreduce|allgather|reducescatter|broadcast|sendrecv|alltoall, or a comma-separated list (also "
-                    "for --dtype, --redop, --algo: every combination runs)")
+  colls
+      ->add_option("--op", coll.op,
+                   "allreduce|allgather|reducescatter|broadcast|sendrecv|alltoall, or a comma-separated list (also "
+                   "for --dtype, --redop, --algo: every combination runs)")
       ->capture_default_str();
   colls->add_option("--min-bytes,-b", coll.min_bytes, "smallest size (suffixes K, M, G)")->capture_default_str();
-  colls->add_option("--max-bytes,-e", coll.max_bytes, "largest size (doubling from the smallest)")->capture_default_str();
+  colls->add_option("--max-bytes,-e", coll.max_bytes, "largest size (doubling from the smallest)")
+      ->capture_default_str();
   colls->add_option("--counts", coll.counts,
                     "comma-separated element counts instead of the byte sweep (per-rank blocks for allgather, "
                     "reducescatter, alltoall)");
@@ -121,7 +128,8 @@ int main(int argc, char** argv) {
   pipe->add_option("--schedule", pipe_opts.schedule, "gpipe | 1f1b")->capture_default_str();
   pipe->add_option("--forward-us", pipe_opts.forward_us, "device time of one micro-batch's forward per stage")
       ->capture_default_str();
-  pipe->add_option("--backward-us", pipe_opts.backward_us, "device time of its backward per stage")->capture_default_str();
+  pipe->add_option("--backward-us", pipe_opts.backward_us, "device time of its backward per stage")
+      ->capture_default_str();
   pipe->add_option("--blocks", pipe_opts.blocks_per_stage, "blocks per stage (the time is split among them)")
       ->capture_default_str();
   pipe->add_option("--payload", pipe_opts.payload, "floats per activation / gradient message")->capture_default_str();
@@ -155,7 +163,8 @@ int main(int argc, char** argv) {
     }
     if (gemm->parsed()) return dtrain::tools::run_bench_gemm(bench_opts, gemm_opts);
     if (colls->parsed()) return dtrain::tools::run_bench_collectives(coll, std::vector<std::string>(argv, argv + argc));
-    if (pipe->parsed()) return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
+    if (pipe->parsed())
+      return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
     if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts, std::vector<std::string>(argv, argv + argc));
     if (sweep->parsed()) return dtrain::tools::run_sweep(*sweep, sweep_opts);
   } catch (const dtrain::Error& e) {

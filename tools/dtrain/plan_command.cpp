@@ -22,8 +22,8 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "dtrain/core/file.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/file.h"
 #include "dtrain/plan/calibrate.h"
 #include "dtrain/plan/plan.h"
 #include "dtrain/train/trainer.h"
@@ -435,7 +435,8 @@ void describe_calibrated(const PlanOptions& o, const plan::Layout& layout, int w
       "{} ranks on {:.3g} cores, {} per host; compute: {}; shared memory alpha {:.2f} us, beta {:.3f} ns/B; TCP "
       "alpha {:.1f} us, beta {:.3f} ns/B, {:.3f} ns/B of core time between hosts{}",
       world, hw.cores, hw.ranks_per_host,
-      t.kernels ? "this machine's kernels for these blocks" : fmt::format("{:.3g} FLOP/s (calibrated)", hw.device_flops),
+      t.kernels ? "this machine's kernels for these blocks"
+                : fmt::format("{:.3g} FLOP/s (calibrated)", hw.device_flops),
       cal.shm.alpha_s * 1e6, cal.shm.beta_s_per_byte * 1e9, hw.inter.alpha * 1e6, cal.tcp.beta_s_per_byte * 1e9,
       tcp_cpu * 1e9, gbps > 0 ? fmt::format(", host links {:.4g} Gbit/s", gbps) : std::string());
 }
@@ -463,8 +464,9 @@ Target target_machine(const PlanOptions& o, const plan::Layout& layout, int worl
 
 // One layout's prediction, as JSON or a table.
 int print_plan(const PlanOptions& o, const plan::ModelSpec& model, const plan::Layout& layout, const Target& t) {
-  const plan::Prediction p = plan::predict(model, t.hw, layout, o.train.batch_size,
-                                           t.kernels ? &t.kernels->times : nullptr, t.single ? &t.single->times : nullptr);
+  const plan::Prediction p =
+      plan::predict(model, t.hw, layout, o.train.batch_size, t.kernels ? &t.kernels->times : nullptr,
+                    t.single ? &t.single->times : nullptr);
   if (o.json) {
     nlohmann::json j = prediction_json(p, model);
     j["model"] = model.description;

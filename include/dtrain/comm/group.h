@@ -62,11 +62,11 @@ struct GroupAccess;  // the comm library's internal view of a group
 /// (a wildcard 0.0.0.0 or :: publishes this host's name instead). Every connection is
 /// authenticated with `secret`, the job secret ("" means DTRAIN_SECRET).
 struct GroupOptions {
-  Duration timeout = std::chrono::minutes(5);         // default for blocking calls and Work::wait()
+  Duration timeout = std::chrono::minutes(5);          // default for blocking calls and Work::wait()
   TransportKind transport = TransportKind::automatic;  // see above (also DTRAIN_TRANSPORT)
-  Algorithm algorithm = Algorithm::automatic;         // overrides the per-size choice (also DTRAIN_ALGO)
-  std::string bind_address;                           // tcp: address to listen on and publish; "" = 127.0.0.1
-  std::string secret;                                 // tcp: the job secret; "" = DTRAIN_SECRET
+  Algorithm algorithm = Algorithm::automatic;          // overrides the per-size choice (also DTRAIN_ALGO)
+  std::string bind_address;                            // tcp: address to listen on and publish; "" = 127.0.0.1
+  std::string secret;                                  // tcp: the job secret; "" = DTRAIN_SECRET
   /// Which host this rank is on, as far as transports and the hierarchy go: ranks with equal
   /// ids share memory. "" = DTRAIN_HOST_ID if set, else the host name and boot id. Tests set
   /// it to run several "hosts" as threads of one process; a group with it set may then use

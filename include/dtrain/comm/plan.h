@@ -54,17 +54,17 @@ struct Plan {
 
 enum class Algorithm : uint8_t {
   automatic,
-  ring,               // reduce-scatter + all-gather around a ring, chunked
-  halving_doubling,   // recursive halving (reduce-scatter) + recursive doubling (all-gather)
-  recursive_doubling, // lg(p) rounds exchanging the whole vector: small messages
-  binomial,           // binomial tree: broadcast, reduce, gather, scatter
-  linear,             // root talks to every rank directly
-  pairwise,           // all_to_all: p-1 rounds of pairwise exchange
-  direct,             // the transport's native collective (shm: straight from shared staging
-                      // buffers); not a plan: Group runs it through Transport::direct()
-  hierarchical,       // all_reduce of a group spanning hosts: reduce_scatter within each host
-                      // (shm), all_reduce of each 1/L piece across hosts, all_gather within the
-                      // host; not a plan: Group composes it from two sub-groups
+  ring,                // reduce-scatter + all-gather around a ring, chunked
+  halving_doubling,    // recursive halving (reduce-scatter) + recursive doubling (all-gather)
+  recursive_doubling,  // lg(p) rounds exchanging the whole vector: small messages
+  binomial,            // binomial tree: broadcast, reduce, gather, scatter
+  linear,              // root talks to every rank directly
+  pairwise,            // all_to_all: p-1 rounds of pairwise exchange
+  direct,              // the transport's native collective (shm: straight from shared staging
+                       // buffers); not a plan: Group runs it through Transport::direct()
+  hierarchical,        // all_reduce of a group spanning hosts: reduce_scatter within each host
+                       // (shm), all_reduce of each 1/L piece across hosts, all_gather within the
+                       // host; not a plan: Group composes it from two sub-groups
 };
 const char* name_of(Algorithm a);
 /// "auto", "ring", "hd", "rd", "tree", "linear", "pairwise", "direct", "hier"; throws dtrain::Error.

@@ -36,8 +36,8 @@ inline Deadline deadline_after(Duration d) { return Clock::now() + d; }
 /// sequence number on the group and the peers involved.
 class CommError : public Error {
  public:
-  CommError(const std::string& op, uint64_t seq, std::vector<int> peers, const std::string& message,
-            const char* file, int line);
+  CommError(const std::string& op, uint64_t seq, std::vector<int> peers, const std::string& message, const char* file,
+            int line);
   const std::string& op() const { return op_; }
   uint64_t seq() const { return seq_; }
   /// Ranks that did not arrive or failed (empty when unknown).

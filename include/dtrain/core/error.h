@@ -2,10 +2,10 @@
 // macros that capture file and line and format the offending values.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <stdexcept>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace dtrain {
 
@@ -23,19 +23,17 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-[[noreturn]] void throw_error(const char* component, const char* file, int line,
-                              const std::string& message);
+[[noreturn]] void throw_error(const char* component, const char* file, int line, const std::string& message);
 }  // namespace detail
 
 }  // namespace dtrain
 
 /// Throws dtrain::Error("[comp] <formatted message>") when cond is false.
-#define DT_CHECK(cond, comp, ...)                                                        \
-  do {                                                                                   \
-    if (!(cond)) [[unlikely]] {                                                          \
+#define DT_CHECK(cond, comp, ...)                                                          \
+  do {                                                                                     \
+    if (!(cond)) [[unlikely]] {                                                            \
       ::dtrain::detail::throw_error(comp, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
-    }                                                                                    \
+    }                                                                                      \
   } while (0)
 
-#define DT_THROW(comp, ...) \
-  ::dtrain::detail::throw_error(comp, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__))
+#define DT_THROW(comp, ...) ::dtrain::detail::throw_error(comp, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__))

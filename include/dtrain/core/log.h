@@ -1,9 +1,9 @@
 // Logging through spdlog to stderr; level from DTRAIN_LOG_LEVEL (trace..critical, off).
 #pragma once
 
-#include <memory>
-
 #include <spdlog/spdlog.h>
+
+#include <memory>
 
 namespace dtrain {
 std::shared_ptr<spdlog::logger> logger();

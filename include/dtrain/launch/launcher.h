@@ -11,16 +11,16 @@
 namespace dtrain::launch {
 
 struct LaunchOptions {
-  int nproc_per_node = 1;          // -n
-  int nnodes = 1;                  // --nnodes
-  int node_rank = 0;               // --node-rank
+  int nproc_per_node = 1;  // -n
+  int nnodes = 1;          // --nnodes
+  int node_rank = 0;       // --node-rank
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;             // 0: pick a free port (single node only)
-  std::string secret;              // empty: DTRAIN_SECRET from the environment, else a fresh one
-  double grace_seconds = 5.0;      // SIGTERM -> SIGKILL delay when stopping workers
+  int master_port = 0;         // 0: pick a free port (single node only)
+  std::string secret;          // empty: DTRAIN_SECRET from the environment, else a fresh one
+  double grace_seconds = 5.0;  // SIGTERM -> SIGKILL delay when stopping workers
   bool prefix_output = true;
-  int max_restarts = 0;            // after a failure, start all workers again (DTRAIN_RESTART=attempt)
-  int min_workers = 0;             // elastic: fewest workers to go on with (0: all of -n)
+  int max_restarts = 0;  // after a failure, start all workers again (DTRAIN_RESTART=attempt)
+  int min_workers = 0;   // elastic: fewest workers to go on with (0: all of -n)
   /// CPU binding of the workers: "core" gives local rank i the i-th equal slice of the CPUs
   /// this launcher may use, whole cores while -n <= cores (see assign_cpus; needs -n <= CPUs),
   /// "none" leaves them to the scheduler, "auto" (the default) binds when -n <= CPUs. "" means
@@ -31,7 +31,7 @@ struct LaunchOptions {
   int min_nodes = 0, max_nodes = 0;
   double last_call_seconds = 3.0;     // elastic: once MIN nodes joined a round, wait this long for more
   double join_timeout_seconds = 600;  // elastic: give up when MIN nodes did not join within this
-  std::vector<std::string> command;  // PROGRAM ARGS...
+  std::vector<std::string> command;   // PROGRAM ARGS...
 
   // Set by the elastic agent for one round of workers (not options of the tool):
   bool serve_store = true;  // node 0 serves the rendezvous store (false: someone else does)
@@ -56,12 +56,12 @@ struct WorkerExit {
 struct LaunchResult {
   int exit_code = 0;  // 0 when every worker exited 0
   std::vector<WorkerExit> workers;
-  std::string report;  // human-readable summary of failures
+  std::string report;        // human-readable summary of failures
   bool interrupted = false;  // stopped because interrupt() asked, not because a worker failed
   /// The ranks whose failure stopped the job: those killed by a signal among the first to
   /// fail, else every worker that failed first (same poll interval).
   std::vector<int> first_failed;
-  int received_signal = 0;   // the launcher itself was told to stop (SIGINT, SIGTERM)
+  int received_signal = 0;  // the launcher itself was told to stop (SIGINT, SIGTERM)
 };
 
 /// One logical CPU the launcher may use, with its place in the machine (from sysfs; -1 when

@@ -81,9 +81,9 @@ namespace dtrain::parallel {
 
 struct DdpOptions {
   size_t bucket_bytes = size_t{25} << 20;
-  int zero = 0;         // 0: replicate everything; 1: shard optimizer state; 2: also gradients
-  bool overlap = true;  // false: start every bucket in synchronize() (for measuring overlap)
-  bool record_events = false;  // keep BucketEvents for take_bucket_events() (traces)
+  int zero = 0;                   // 0: replicate everything; 1: shard optimizer state; 2: also gradients
+  bool overlap = true;            // false: start every bucket in synchronize() (for measuring overlap)
+  bool record_events = false;     // keep BucketEvents for take_bucket_events() (traces)
   bool share_memory = true;       // ZeRO 0/1 on one host: gradients (ZeRO 1: and parameters) in shared memory
   std::string compress = "none";  // none | bf16 | fp16 | int8 | int4 | powersgd:RANK (see above)
   uint64_t seed = 0;              // powersgd: the initial Q (the same on every rank)

@@ -52,8 +52,7 @@ namespace autograd {
 /// True when any input requires grad and grad mode is on.
 bool needs_grad(std::initializer_list<const Tensor*> inputs);
 /// Wires `node` to the inputs and marks `output` as its result.
-void attach(Tensor& output, const std::shared_ptr<Node>& node,
-            std::initializer_list<const Tensor*> inputs);
+void attach(Tensor& output, const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs);
 void run_backward(const Tensor& root);
 /// An output buffer for the gradient an op sends along `edge` (one of its `next`): the leaf's
 /// gradient home (Tensor::set_grad_home) when `edge` accumulates into a leaf that has one of

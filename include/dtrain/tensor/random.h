@@ -11,7 +11,10 @@ namespace dtrain {
 class Generator {
  public:
   explicit Generator(uint64_t seed = 0) : engine_(seed) {}
-  void seed(uint64_t s) { engine_.seed(s); has_spare_ = false; }
+  void seed(uint64_t s) {
+    engine_.seed(s);
+    has_spare_ = false;
+  }
   uint64_t next_u64() { return engine_(); }
   /// Uniform in [0, 1) with 24 random bits.
   float uniform() { return static_cast<float>(engine_() >> 40) * (1.0f / 16777216.0f); }

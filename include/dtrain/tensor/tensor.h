@@ -53,8 +53,8 @@ struct TensorImpl {
   DType dtype = DType::f32;
   bool requires_grad = false;
   std::shared_ptr<TensorImpl> grad;
-  std::shared_ptr<Node> grad_fn;            // set on results of differentiable ops
-  std::weak_ptr<Node> grad_accumulator;     // leaves only; recreated per graph
+  std::shared_ptr<Node> grad_fn;         // set on results of differentiable ops
+  std::weak_ptr<Node> grad_accumulator;  // leaves only; recreated per graph
   std::vector<GradReadyHook> grad_ready_hooks;
   std::shared_ptr<TensorImpl> grad_home;  // leaves: where backward may write the first gradient
 };

@@ -24,11 +24,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <vector>
-
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <vector>
 
+#include "dtrain/comm/compress.h"
 #include "dtrain/comm/group.h"
 
 namespace dtrain::torch_backend {
@@ -120,8 +120,8 @@ class ProcessGroupDtrain final : public c10d::ProcessGroup {
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> collectives_{0};
   std::shared_ptr<Completer> completer_;
-  std::shared_ptr<Ordering> ordering_;  // issue order, the deferred collective (src/torch/work.h)
-  bool defer_ = true;                   // DTRAIN_TORCH_DEFER=0: every collective starts at once
+  std::shared_ptr<Ordering> ordering_;       // issue order, the deferred collective (src/torch/work.h)
+  bool defer_ = true;                        // DTRAIN_TORCH_DEFER=0: every collective starts at once
   std::shared_ptr<const FaultPlan> faults_;  // DTRAIN_FAULT, on the world group (src/torch/fault.h)
   comm::Group group_;
 };

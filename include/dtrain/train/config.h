@@ -24,8 +24,8 @@ struct TrainConfig {
   std::string data;  // fashion-mnist[:DIR] | text:PATH; empty = the model's default
   double val_fraction = 0.1;
   // schedule
-  int64_t steps = 0;   // total optimizer steps; 0 = use epochs
-  int64_t epochs = 0;  // 0 and steps 0 = 1 epoch
+  int64_t steps = 0;        // total optimizer steps; 0 = use epochs
+  int64_t epochs = 0;       // 0 and steps 0 = 1 epoch
   int64_t batch_size = 64;  // global batch
   // optimisation
   std::string optimizer = "adamw";  // sgd | adamw
@@ -38,20 +38,20 @@ struct TrainConfig {
   float min_lr = 0.0f;
   float clip_grad = 0.0f;  // 0 = off
   // parallelism
-  int dp = 1;                 // data-parallel ranks (local processes started by dtrain launch)
-  int64_t accumulate = 1;     // micro-steps per optimizer step (no gradient sync before the last)
-  int zero = 0;               // ZeRO stage: 0, 1 (optimizer state sharded), 2 (also gradients)
-  double bucket_mb = 25.0;    // gradient bucket size, MiB
-  bool overlap = true;        // start bucket all_reduces during backward
-  bool share_memory = true;   // --zero 0/1 on one host: gradient slots (--zero 1: and parameters) in shared memory
+  int dp = 1;                     // data-parallel ranks (local processes started by dtrain launch)
+  int64_t accumulate = 1;         // micro-steps per optimizer step (no gradient sync before the last)
+  int zero = 0;                   // ZeRO stage: 0, 1 (optimizer state sharded), 2 (also gradients)
+  double bucket_mb = 25.0;        // gradient bucket size, MiB
+  bool overlap = true;            // start bucket all_reduces during backward
+  bool share_memory = true;       // --zero 0/1 on one host: gradient slots (--zero 1: and parameters) in shared memory
   std::string compress = "none";  // gradient compression: none | bf16 | fp16 | int8 | int4 | powersgd:RANK
-  int pp = 1;                 // pipeline stages
-  int tp = 1;                 // tensor-parallel ranks per stage
-  int64_t micro_batches = 1;  // pipeline micro-batches per accumulation step
+  int pp = 1;                     // pipeline stages
+  int tp = 1;                     // tensor-parallel ranks per stage
+  int64_t micro_batches = 1;      // pipeline micro-batches per accumulation step
   std::string schedule = "1f1b";  // pipeline schedule: gpipe | 1f1b
-  std::string stages;         // blocks per stage by hand, "0-3,4-7" (empty: balanced)
-  bool recompute = false;     // pipeline: recompute activations in backward
-  int64_t memory_limit = 0;   // bytes of parameters + gradients + optimizer state per process (0: none)
+  std::string stages;             // blocks per stage by hand, "0-3,4-7" (empty: balanced)
+  bool recompute = false;         // pipeline: recompute activations in backward
+  int64_t memory_limit = 0;       // bytes of parameters + gradients + optimizer state per process (0: none)
   std::string checkpoint_dir;     // checkpoints (resumed from automatically when present)
   int64_t checkpoint_every = 0;   // steps between checkpoints (0: none)
   int keep = 3;                   // complete checkpoints kept
@@ -61,16 +61,16 @@ struct TrainConfig {
   double timeout = 300.0;         // seconds a collective or point-to-point call may wait
   std::string backend = "auto";   // auto | shm | tcp | mpi (a job started by mpirun or srun)
   double heartbeat_timeout = 10.0;  // seconds without a rank's heartbeat before the job stops (0: off)
-  std::string trace;          // Chrome/Perfetto trace file (rank 0 gathers every rank's events and writes it)
+  std::string trace;                // Chrome/Perfetto trace file (rank 0 gathers every rank's events and writes it)
   // run
   uint64_t seed = 0;
   int threads = 1;
   int64_t log_every = 50;
   int64_t eval_batches = 0;  // text: validation batches (0 = whole validation split)
-  std::string metrics;     // JSON-lines file
-  std::string save;        // model file
+  std::string metrics;       // JSON-lines file
+  std::string save;          // model file
   std::string config_file;
-  bool progress = true;    // progress bar when stderr is a terminal
+  bool progress = true;  // progress bar when stderr is a terminal
   /// Names of the options set by a flag or the config file (the rest keep defaults).
   std::set<std::string> given;
 };

@@ -4,9 +4,8 @@
 #include <chrono>
 #include <cstdint>
 #include <fstream>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace dtrain::train {
 

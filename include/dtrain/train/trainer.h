@@ -34,9 +34,9 @@ struct TrainResult {
   double train_time_s = 0.0;
   double samples_per_s = 0.0;
   double tokens_per_s = 0.0;
-  double final_loss = 0.0;    // mean of the last log interval
-  double test_accuracy = -1;  // classification
-  double val_loss = -1;       // text
+  double final_loss = 0.0;         // mean of the last log interval
+  double test_accuracy = -1;       // classification
+  double val_loss = -1;            // text
   double model_flops_per_s = 0.0;  // 3 x forward FLOPs per sample x samples/s
   int64_t peak_rss = 0;
   std::string params_digest;
