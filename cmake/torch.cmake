@@ -65,14 +65,19 @@ set(DTRAIN_TORCH_INSTALL_DIR lib/python${Python3_VERSION_MAJOR}.${Python3_VERSIO
 install(TARGETS dtrain_torch_python LIBRARY DESTINATION ${DTRAIN_TORCH_INSTALL_DIR}/dtrain_torch)
 install(FILES ${DTRAIN_TORCH_PY} DESTINATION ${DTRAIN_TORCH_INSTALL_DIR}/dtrain_torch)
 
-# Tests: PyTorch programs against gloo (tests/torch), each a CTest test run by the same Python.
-if(DTRAIN_BUILD_TESTS)
+# Tests: PyTorch programs against gloo (tests/torch), each a CTest test run by the same Python,
+# which must have PyTorch (python3-torch, python3-torchvision).
+execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch, torchvision" RESULT_VARIABLE dtrain_torch_import
+                OUTPUT_QUIET ERROR_QUIET)
+if(DTRAIN_BUILD_TESTS AND NOT dtrain_torch_import EQUAL 0)
+  message(STATUS "dtrain: ${Python3_EXECUTABLE} cannot import torch and torchvision: the tests in tests/torch are left out")
+elseif(DTRAIN_BUILD_TESTS)
   file(GLOB DTRAIN_TORCH_TESTS CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/torch/test_*.py)
   foreach(test ${DTRAIN_TORCH_TESTS})
     get_filename_component(name ${test} NAME_WE)
     string(REGEX REPLACE "^test_" "" name ${name})
     add_test(NAME torch_${name} COMMAND ${Python3_EXECUTABLE} ${test})
-    set_tests_properties(torch_${name} PROPERTIES TIMEOUT 300
+    set_tests_properties(torch_${name} PROPERTIES TIMEOUT 900
       ENVIRONMENT "PYTHONPATH=${PROJECT_BINARY_DIR}/python;DTRAIN_BINARY=$<TARGET_FILE:dtrain>;OMP_NUM_THREADS=1")
   endforeach()
 endif()
