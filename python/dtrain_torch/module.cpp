@@ -42,7 +42,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ProcessGroupDtrain, c10d::ProcessGroup, c10::intrusive_ptr<ProcessGroupDtrain>>(m, "ProcessGroupDtrain")
       .def_property_readonly(
-          "transport", [](ProcessGroupDtrain& pg) { return pg.group().transport_kind(); },
+          "transport",
+          [](ProcessGroupDtrain& pg) { return std::string(dtrain::comm::name_of(pg.group().transport_kind())); },
           "the transport dtrain chose: shm (one host) or tcp")
       .def("flight_record", &flight_record,
            "the group's last operations, oldest first (dicts with seq, op, bytes, peer, state, error)");
