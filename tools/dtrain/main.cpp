@@ -1,4 +1,4 @@
-// dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan, sweep, status.
+// dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan, sweep, status, report.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -11,6 +11,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/launch/launcher.h"
 #include "plan_command.h"
+#include "report_command.h"
 #include "status_command.h"
 #include "sweep_command.h"
 
@@ -152,6 +153,11 @@ int main(int argc, char** argv) {
       "status", "what every rank of a running job does now: step, operation and for how long, heartbeat, throughput");
   dtrain::tools::add_status_options(*status, status_opts);
 
+  dtrain::tools::ReportOptions report_opts;
+  CLI::App* report = app.add_subcommand(
+      "report", "one self-contained HTML page of one or more runs: curves, time per rank, pipeline, faults");
+  dtrain::tools::add_report_options(*report, report_opts);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -174,6 +180,7 @@ int main(int argc, char** argv) {
     if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts, std::vector<std::string>(argv, argv + argc));
     if (sweep->parsed()) return dtrain::tools::run_sweep(*sweep, sweep_opts);
     if (status->parsed()) return dtrain::tools::run_status(status_opts);
+    if (report->parsed()) return dtrain::tools::run_report(report_opts);
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
     std::fflush(stderr);
