@@ -53,7 +53,7 @@
     return Math.round(b) + " B";
   }
   function secs(s) {
-    return s < 0.01 ? (s * 1000).toFixed(2) + " ms" : s.toFixed(3) + " s";
+    return s < 1 ? (s * 1000).toFixed(2) + " ms" : s.toFixed(3) + " s";
   }
   function legend(s, items, y) {
     var x = 10;

@@ -47,7 +47,7 @@ std::string bytes_text(double b) {
 
 std::string secs(double s) {
   if (s < 0) return "-";
-  if (s < 0.01) return fmt::format("{:.2f} ms", s * 1000);
+  if (s < 1) return fmt::format("{:.2f} ms", s * 1000);
   if (s < 10) return fmt::format("{:.3f} s", s);
   return fmt::format("{:.1f} s", s);
 }
@@ -180,7 +180,8 @@ std::string restarts_table(const std::vector<RunData>& runs, const std::vector<j
   for (size_t i = 0; i < runs.size(); ++i) {
     for (const json& r : data[i]["restarts"]) {
       rows += fmt::format(
-          "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>&ge; {}</td><td>{}</td>"
+          "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"text\">{}</td><td>{}</td><td>&ge; "
+          "{}</td><td>{}</td>"
           "<td>{}</td></tr>\n",
           esc(runs[i].name), r["attempt"].get<int>(),
           r["kind"] == "resize"
@@ -224,12 +225,13 @@ std::string script_json(const json& j) {
   return out;
 }
 
+// A chart with its table beside it, a note under both, then `below` (a table too wide to sit beside).
 std::string section(const std::string& id, const std::string& title, const std::string& chart_note,
-                    const std::string& table) {
+                    const std::string& table, const std::string& below = "") {
   return fmt::format(
       "<section id=\"{0}\"><h2>{1}</h2><div class=\"pair\"><div class=\"chart\" id=\"chart-{0}\"></div>"
-      "<div class=\"table\">{3}</div></div>{2}</section>\n",
-      id, title, chart_note.empty() ? "" : "<p class=\"note\">" + chart_note + "</p>", table);
+      "<div class=\"table\">{3}</div></div>{2}{4}</section>\n",
+      id, title, chart_note.empty() ? "" : "<p class=\"note\">" + chart_note + "</p>", table, below);
 }
 
 }  // namespace
@@ -285,10 +287,11 @@ std::string render_html(const std::string& title, const std::vector<RunData>& ru
   html += section("gantt", "The first steps, per rank", "", "");
   html += section("wire", "Bytes on the wire", "", wires);
   html += section("memory", "Memory per rank", "", memories);
+  // The causes are long lines: their table goes under the chart, the checkpoints beside it.
   html += section("timeline", "Faults, restarts and resizes",
                   "Wall-clock time from the first start: each start as a band, failures in red, the work they cost "
                   "hatched (from the checkpoint resumed to the failure, then the downtime), checkpoints as ticks.",
-                  restarts_table(runs, data) + checkpoints_table(runs));
+                  checkpoints_table(runs), restarts_table(runs, data));
   html += "<pre id=\"dtrain-render\" hidden></pre>\n";
   html += "<script id=\"dtrain-data\" type=\"application/json\">" + script_json(page) + "</script>\n";
   html += fmt::format("<script>{}</script>\n<script>{}</script>\n</body></html>\n", kUplotJs, kReportJs);
