@@ -29,9 +29,12 @@ RankStatus parse_rank(int rank, const std::string& text, double now_ms) {
   const double what_ms = j.value("what_ms", -1.0), wait_ms = j.value("wait_ms", -1.0);
   const double interval_ms = j.value("interval_ms", 1000.0), timeout_ms = j.value("timeout_ms", 0.0);
   s.age_s = std::max(0.0, now_ms - j.value("time_ms", now_ms)) / 1000.0;
-  // The durations grew while the record aged.
-  s.what_s = what_ms >= 0 ? what_ms / 1000.0 + s.age_s : -1;
-  s.wait_s = wait_ms >= 0 ? wait_ms / 1000.0 + s.age_s : -1;
+  // Two missed beats: the heartbeat thread itself stands still (SIGSTOP, a dead host).
+  s.stale = s.age_s * 1000.0 > std::max(2.0 * interval_ms, interval_ms + 1000.0);
+  // The durations as published; a stale rank is still where it was, so they grew with the age.
+  const double grown = s.stale ? s.age_s : 0.0;
+  s.what_s = what_ms >= 0 ? what_ms / 1000.0 + grown : -1;
+  s.wait_s = wait_ms >= 0 ? wait_ms / 1000.0 + grown : -1;
   s.rate = j.value("rate", -1.0);
   s.unit = j.value("unit", "");
   s.timeout_s = timeout_ms / 1000.0;
@@ -43,10 +46,8 @@ RankStatus parse_rank(int rank, const std::string& text, double now_ms) {
     }
     s.op = fmt::format("{} #{} on '{}'", oldest->value("op", "?"), oldest->value("seq", uint64_t{0}),
                        oldest->value("group", "?"));
-    s.op_s = oldest->value("ms", 0.0) / 1000.0 + s.age_s;
+    s.op_s = oldest->value("ms", 0.0) / 1000.0 + grown;
   }
-  // Two missed beats: the heartbeat thread itself stands still (SIGSTOP, a dead host).
-  s.stale = s.age_s * 1000.0 > std::max(2.0 * interval_ms, interval_ms + 1000.0);
   s.stuck = !s.stale && timeout_ms > 0 && s.wait_s < 0 && s.what_s * 1000.0 > timeout_ms;
   return s;
 }
