@@ -1,5 +1,5 @@
-// dtrain report end to end: three real runs (a short demo job, a 2 x 2 pipeline, a run with a
-// fault and a restart) rendered by headless Chromium: no errors, and every chart holds the
+// dtrain report end to end: real runs (a short demo job, a 2 x 2 pipeline, a run with a fault
+// and a restart, one resized to fewer workers) rendered by headless Chromium: no errors, and every chart holds the
 // points the run's own files say it should (counted here from the metrics and the trace). Bad
 // input gets a clear error or a page that says what was missing, never a crash.
 #include <sys/wait.h>
@@ -58,6 +58,16 @@ class Report : public ::testing::Test {
     ::unsetenv("DTRAIN_FAULT");
     ASSERT_EQ(fault.code, 0) << fault.output;
     ASSERT_NE(fault.output.find("restarting all 2 workers"), std::string::npos) << fault.output;
+    // Rank 1 fails on every start: after two, the job goes on with one worker (a resize).
+    ::setenv("DTRAIN_FAULT", "kill:rank=1:step=15:attempt=any", 1);
+    ProcessResult resize = dtrain(
+        "train --dp 2 --model mlp --hidden 64 --steps 40 --batch-size 32 --log-every 5 --progress=false "
+        "--checkpoint-dir " +
+        path("ckpt-resize") + " --checkpoint-every 10 --max-restarts 2 --min-workers 1 --metrics " +
+        path("resize.jsonl"));
+    ::unsetenv("DTRAIN_FAULT");
+    ASSERT_EQ(resize.code, 0) << resize.output;
+    ASSERT_NE(resize.output.find("continuing with 1 workers"), std::string::npos) << resize.output;
   }
   static void TearDownTestSuite() {
     ::unsetenv("DTRAIN_FLIGHT_DIR");
@@ -167,6 +177,15 @@ TEST_F(Report, DemoPipelineAndFaultPagesRenderEveryPointWithoutErrors) {
   const std::string page = slurp(path("fault.jsonl.html"));
   EXPECT_NE(page.find("rank 1 never called"), std::string::npos);
   EXPECT_NE(page.find("killed by signal 9"), std::string::npos);
+  // An elastic resize: three starts, the last with one rank, marked as a resize with its cause.
+  ProcessResult resized = dtrain("report " + path("resize.jsonl") + " -o " + path("resize.html"));
+  ASSERT_EQ(resized.code, 0) << resized.output;
+  const Page r = render(path("resize.html"));
+  expect_clean(r, "resize");
+  EXPECT_EQ(r.rendered["charts"]["timeline"]["bands"].get<size_t>(), 3u);
+  EXPECT_EQ(r.rendered["charts"]["timeline"]["failures"].get<size_t>(), 2u);
+  EXPECT_EQ(r.rendered["charts"]["loss"]["series"][0].get<size_t>(), distinct_log_steps("resize.jsonl"));
+  EXPECT_NE(slurp(path("resize.html")).find("resize 2 &rarr; 1 ranks"), std::string::npos);
   // Two runs overlaid: one series each.
   ProcessResult both = dtrain("report " + path("demo.jsonl") + " " + path("fault.jsonl") + " -o " + path("both.html"));
   ASSERT_EQ(both.code, 0) << both.output;

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <ctime>
+#include <map>
 
 #include "assets.h"
 
@@ -210,6 +211,67 @@ std::string checkpoints_table(const std::vector<RunData>& runs) {
   return "<table><tr><th>run</th><th>step</th><th>state</th><th>written at</th></tr>\n" + rows + "</table>\n";
 }
 
+std::string rate_table(const std::vector<RunData>& runs) {
+  std::string rows;
+  for (const RunData& r : runs) {
+    double sum = 0, last = -1;
+    int n = 0;
+    for (const LogPoint& p : r.logs) {
+      if (p.rate < 0) continue;
+      sum += p.rate;
+      last = p.rate;
+      ++n;
+    }
+    if (n == 0) continue;
+    rows += fmt::format("<tr><td>{}</td><td>{:.1f}</td><td>{:.1f}</td><td>{}/s</td></tr>\n", esc(r.name), sum / n, last,
+                        r.unit);
+  }
+  if (rows.empty()) return "";
+  return "<table><tr><th>run</th><th>mean of the points</th><th>last</th><th>unit</th></tr>\n" + rows +
+         "</table><p class=\"note\">Each point: the run's rate since its start (a restart starts afresh).</p>";
+}
+
+std::string mfu_table(const std::vector<RunData>& runs, const std::vector<json>& data) {
+  std::string rows;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const json& series = data[i]["series"];
+    if (series["mfu"].is_null()) continue;
+    double last = -1;
+    for (const json& v : series["mfu"]) {
+      if (v.is_number()) last = v.get<double>();
+    }
+    if (last < 0) continue;
+    const bool fraction = series["mfu_label"] == "MFU";
+    rows += fmt::format("<tr><td>{}</td><td>{}</td></tr>\n", esc(runs[i].name),
+                        fraction ? fmt::format("{:.1f}% MFU", last * 100) : fmt::format("{:.2f} GFLOP/s", last));
+  }
+  if (rows.empty()) return "";
+  return "<table><tr><th>run</th><th>last point</th></tr>\n" + rows + "</table>";
+}
+
+// Per rank: the spans shown and the time they cover, in the Gantt chart's steps.
+std::string gantt_table(const json& d) {
+  const json& g = d["gantt"];
+  if (g.is_null() || g["spans"].empty()) return "";
+  std::map<int, std::pair<int, double>> compute, comm;  // rank -> (spans, ms)
+  for (const json& sp : g["spans"]) {
+    const bool is_comm = g["kinds"][sp[3].get<size_t>()] == "bucket";
+    auto& slot = (is_comm ? comm : compute)[sp[0].get<int>()];
+    ++slot.first;
+    slot.second += sp[2].get<double>();
+  }
+  std::string t = fmt::format(
+      "<table><tr><th>rank</th><th>compute spans</th><th>compute ms</th><th>bucket spans</th><th>bucket "
+      "ms</th></tr>\n");
+  for (int r = 0; r < g["ranks"].get<int>(); ++r) {
+    t += fmt::format("<tr><td>{}</td><td>{}</td><td>{:.2f}</td><td>{}</td><td>{:.2f}</td></tr>\n", r, compute[r].first,
+                     compute[r].second, comm[r].first, comm[r].second);
+  }
+  std::string steps;
+  for (const json& s : g["steps"]) steps += (steps.empty() ? "" : " and ") + std::to_string(s.get<int64_t>());
+  return t + fmt::format("</table><p class=\"note\">Steps {}.</p>", steps);
+}
+
 // JSON inside <script>: "</" must not close the element.
 std::string script_json(const json& j) {
   std::string s = j.dump();
@@ -278,13 +340,20 @@ std::string render_html(const std::string& title, const std::vector<RunData>& ru
   html += problems_list(runs);
   html += section("loss", "Training loss", "Dashed lines: restarts and resizes (the step the job resumed from).",
                   loss_table);
-  html += section("throughput", "Throughput", "", "");
-  html += section("mfu", "Model FLOP utilisation", "", "");
+  html += section("throughput", "Throughput", "", rate_table(runs));
+  html += section("mfu", "Model FLOP utilisation", "", mfu_table(runs, data));
   html += section("split", "Time per step on each rank",
                   "compute: forward, backward, optimizer; communication: gradient synchronisation not hidden "
                   "behind backward; waiting: for a later rank; bubble (pipelines): idle while other stages work.",
                   splits);
-  html += section("gantt", "The first steps, per rank", "", "");
+  std::string gantt_tables;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    gantt_tables += (runs.size() > 1 ? "<h3>" + esc(runs[i].name) + "</h3>" : "") + gantt_table(data[i]);
+  }
+  html += section("gantt", "The first steps, per rank",
+                  "Compute spans (forward and backward numbered by micro-batch) on each rank's row, its gradient "
+                  "buckets' communication under them.",
+                  gantt_tables);
   html += section("wire", "Bytes on the wire", "", wires);
   html += section("memory", "Memory per rank", "", memories);
   // The causes are long lines: their table goes under the chart, the checkpoints beside it.
