@@ -124,6 +124,7 @@ double accuracy(ResidualMlp& model, const dtrain::data::Dataset& test, Group& wo
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines as they come, also through a pipe
   try {
     const Options opt = parse(argc, argv);
     Group world = join_world();

@@ -186,6 +186,7 @@ double accuracy(Cnn& model, const Split& test, Group& world) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines as they come, also through a pipe
   try {
     const Options opt = parse(argc, argv);
     torch::set_num_threads(opt.threads);
