@@ -21,9 +21,12 @@
 // runs once per backward after every use of the parameter delivered its gradient) calls
 // Reducer::mark_ready with param.grad(); a bucket whose gradients are all final starts its
 // asynchronous all_reduce (average) at once, so communication overlaps the rest of backward.
-// Buckets hold the parameters in reverse order of registration, which is the order backward
-// produces their gradients when modules are registered in the order forward uses them (as in
-// a Sequential); they start in the same order on every rank.
+// Buckets start in the same order on every rank. At first they hold the parameters in reverse
+// order of registration, which is the order backward produces their gradients when modules
+// are registered in the order forward uses them (as in a Sequential); the first synchronize()
+// lays them out again in the order rank 0's first backward produced the gradients, when that
+// differs (as PyTorch's DDP rebuilds its buckets after the first iteration), so that the
+// first bucket to fill is the first to start.
 //
 // Gradients as bucket views: after synchronize() every param.grad() is a tensor over its slot in
 // its bucket, so the next backward accumulates straight into the bucket (optimizer.zero_grad()
@@ -63,6 +66,7 @@ struct DdpOptions {
   bool share_memory = true;                // every rank on one host over shm: buckets in memory the ranks share
   std::string compress = "none";           // none | bf16 | fp16 | int8 | int4 | powersgd:RANK (dtrain/parallel/ddp.h)
   uint64_t seed = 0;                       // powersgd: the initial Q (the same on every rank)
+  bool rebuild_buckets = true;             // reorder the buckets by the first backward (see above)
 };
 
 class DistributedDataParallel {
