@@ -9,7 +9,9 @@ dtrain:  build/prefix/bin/dtrain launch -n N -- build/examples/torch_cnn --bench
          --batch-size N*B (examples/torch_cnn.cpp: the CNN in libtorch's C++ frontend)
 gloo:    N processes of bench/torch_cnn_gloo.py (the same CNN, data, batch and SGD in Python)
 
-N is 1 and 2, one thread per process, B the per-rank batch. Each reports samples/s over STEPS
+N is 1 and 2, one thread per process, B the per-rank batch. --bind same (default): dtrain
+launch binds its workers to CPUs (--bind auto), and each gloo rank gets the same CPUs;
+--bind none: nobody is bound (on a machine others use, a bound rank waits for its busy core). Each reports samples/s over STEPS
 steps after 5 warm-up steps. Every repeat runs the four configurations back to back in an order
 that rotates between repeats, so that load from elsewhere on the machine hits them alike. Cells
 are medians over the repeats [min-max]. Printed: dtrain(2) / gloo(2) (target >= 1.5) and
@@ -56,9 +58,19 @@ def last_json(text):
     raise RuntimeError("no JSON line in:\n" + text[-2000:])
 
 
+def gloo_cpus(rank, n):
+    """The CPUs `dtrain launch --bind auto` gives local worker `rank` of n when there are at
+    least n CPUs (equal contiguous slices), so that both sides run on the same placement."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if n > len(cpus):
+        return None
+    per = len(cpus) // n
+    return set(cpus[rank * per:(rank + 1) * per])
+
+
 def run_dtrain(a, n, per_rank):
-    cmd = [a.dtrain, "launch", "-n", str(n), "--", a.example, "--bench", str(a.steps), "--batch-size",
-           str(per_rank * n), "--threads", "1"]
+    cmd = [a.dtrain, "launch", "-n", str(n), "--bind", "auto" if a.bind == "same" else "none", "--", a.example,
+           "--bench", str(a.steps), "--batch-size", str(per_rank * n), "--threads", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=dict(os.environ, **ONE_THREAD))
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
@@ -73,9 +85,11 @@ def run_gloo(a, n, per_rank):
     for r in range(n):
         env = dict(os.environ, **ONE_THREAD, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
+        cpus = gloo_cpus(r, n) if a.bind == "same" else None
         procs.append(subprocess.Popen([a.python, os.path.join(HERE, "torch_cnn_gloo.py"), "--bench", str(a.steps),
                                        "--batch-size", str(per_rank * n)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=(lambda c=cpus: os.sched_setaffinity(0, c)) if cpus else None))
     outs = [p.communicate(timeout=a.timeout) for p in procs]
     for r, p in enumerate(procs):
         if p.returncode != 0:
@@ -91,6 +105,9 @@ def main():
     ap.add_argument("--example", default=os.path.join(ROOT, "build/examples/torch_cnn"))
     ap.add_argument("--dtrain", default=os.path.join(ROOT, "build/prefix/bin/dtrain"))
     ap.add_argument("--python", default="/usr/bin/python3", help="a Python with PyTorch")
+    ap.add_argument("--bind", choices=["same", "none"], default="same",
+                    help="same: dtrain launch's CPU binding (--bind auto) and the same CPUs for the gloo ranks; "
+                         "none: nobody is bound (--bind none)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=os.path.join(HERE, "results/libtorch_ddp_compare.json"))
     a = ap.parse_args()
@@ -100,7 +117,7 @@ def main():
 
     configs = [("dtrain", 1), ("dtrain", 2), ("gloo", 1), ("gloo", 2)]
     results = {"cpu": cpu_model(), "load_before": os.getloadavg(), "steps": a.steps, "repeats": a.repeats,
-               "batches": {}}
+               "bind": a.bind, "batches": {}}
     for per_rank in [int(b) for b in a.per_rank_batch.split(",")]:
         samples = {c: [] for c in configs}
         for rep in range(a.repeats):
@@ -118,7 +135,8 @@ def main():
 
     print(f"CPU: {results['cpu'].get('Model name', '?')}, {results['cpu'].get('CPU(s)', '?')} CPUs; "
           f"load average {results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after")
-    print(f"samples/s, medians of {a.repeats} [min-max], {a.steps} steps after 5 warm-up, one thread per process")
+    print(f"samples/s, medians of {a.repeats} [min-max], {a.steps} steps after 5 warm-up, one thread per process, "
+          f"binding: {a.bind}")
     print(f"{'batch/rank':>10} {'dtrain x1':>22} {'dtrain x2':>22} {'gloo x1':>22} {'gloo x2':>22} "
           f"{'x2 ratio':>9} {'E(2) dtrain':>11} {'E(2) gloo':>9}")
     for per_rank, r in results["batches"].items():
