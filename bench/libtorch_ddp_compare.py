@@ -58,6 +58,13 @@ def last_json(text):
     raise RuntimeError("no JSON line in:\n" + text[-2000:])
 
 
+def environment(a):
+    env = dict(os.environ, **ONE_THREAD)
+    if a.malloc_threshold > 0:  # glibc: keep big blocks in the heap instead of mmap/munmap per step
+        env.update(MALLOC_MMAP_THRESHOLD_=str(a.malloc_threshold), MALLOC_TRIM_THRESHOLD_=str(2 * a.malloc_threshold))
+    return env
+
+
 def gloo_cpus(rank, n):
     """The CPUs `dtrain launch --bind auto` gives local worker `rank` of n when there are at
     least n CPUs (equal contiguous slices), so that both sides run on the same placement."""
@@ -71,7 +78,7 @@ def gloo_cpus(rank, n):
 def run_dtrain(a, n, per_rank):
     cmd = [a.dtrain, "launch", "-n", str(n), "--bind", "auto" if a.bind == "same" else "none", "--", a.example,
            "--bench", str(a.steps), "--batch-size", str(per_rank * n), "--threads", "1"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=dict(os.environ, **ONE_THREAD))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=environment(a))
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
     return last_json(p.stdout)["samples_per_s"]
@@ -83,8 +90,7 @@ def run_gloo(a, n, per_rank):
         port = s.getsockname()[1]
     procs = []
     for r in range(n):
-        env = dict(os.environ, **ONE_THREAD, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env = dict(environment(a), RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cpus = gloo_cpus(r, n) if a.bind == "same" else None
         procs.append(subprocess.Popen([a.python, os.path.join(HERE, "torch_cnn_gloo.py"), "--bench", str(a.steps),
                                        "--batch-size", str(per_rank * n)], env=env, stdout=subprocess.PIPE,
@@ -108,6 +114,10 @@ def main():
     ap.add_argument("--bind", choices=["same", "none"], default="same",
                     help="same: dtrain launch's CPU binding (--bind auto) and the same CPUs for the gloo ranks; "
                          "none: nobody is bound (--bind none)")
+    ap.add_argument("--malloc-threshold", type=int, default=0,
+                    help="bytes; > 0: glibc's MALLOC_MMAP_THRESHOLD_ (and twice it as MALLOC_TRIM_THRESHOLD_) for both "
+                         "sides: without it the per-step activations of a batch of 32 are mmap'd and faulted in "
+                         "again every step (glibc's dynamic threshold), a fifth of a step's time here")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=os.path.join(HERE, "results/libtorch_ddp_compare.json"))
     a = ap.parse_args()
@@ -117,7 +127,7 @@ def main():
 
     configs = [("dtrain", 1), ("dtrain", 2), ("gloo", 1), ("gloo", 2)]
     results = {"cpu": cpu_model(), "load_before": os.getloadavg(), "steps": a.steps, "repeats": a.repeats,
-               "bind": a.bind, "batches": {}}
+               "bind": a.bind, "malloc_threshold": a.malloc_threshold, "batches": {}}
     for per_rank in [int(b) for b in a.per_rank_batch.split(",")]:
         samples = {c: [] for c in configs}
         for rep in range(a.repeats):
@@ -136,7 +146,7 @@ def main():
     print(f"CPU: {results['cpu'].get('Model name', '?')}, {results['cpu'].get('CPU(s)', '?')} CPUs; "
           f"load average {results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after")
     print(f"samples/s, medians of {a.repeats} [min-max], {a.steps} steps after 5 warm-up, one thread per process, "
-          f"binding: {a.bind}")
+          f"binding: {a.bind}, malloc threshold: {a.malloc_threshold or 'glibc default'}")
     print(f"{'batch/rank':>10} {'dtrain x1':>22} {'dtrain x2':>22} {'gloo x1':>22} {'gloo x2':>22} "
           f"{'x2 ratio':>9} {'E(2) dtrain':>11} {'E(2) gloo':>9}")
     for per_rank, r in results["batches"].items():
