@@ -36,6 +36,7 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 #include "gemm_cache.h"
 
 namespace dtrain {
@@ -321,6 +322,7 @@ void set_gemm_backend(GemmBackend backend) {
 
 void sgemm_on(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
               const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  profile::Scope scope(profile::Kind::matmul);
   DT_CHECK(m >= 0 && n >= 0 && k >= 0 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, "tensor",
            "sgemm: dimensions M {} N {} K {} out of range [0, {}]", m, n, k, INT_MAX);
   if (m == 0 || n == 0) return;

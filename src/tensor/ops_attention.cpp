@@ -14,6 +14,7 @@
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 #include "fast_math.h"
 
 namespace dtrain::ops {
@@ -64,11 +65,13 @@ struct AttentionBackward : Node {
   }
   void release() override { qkv = att = Tensor(); }
   const char* name() const override { return "causal_attention"; }
+  profile::Kind profile_kind() const override { return profile::Kind::attention; }
 };
 
 }  // namespace
 
 Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
+  profile::Scope scope(profile::Kind::attention);
   DT_CHECK(qkv_in.defined(), "tensor", "causal_attention: qkv is undefined");
   DT_CHECK(qkv_in.dtype() == DType::f32, "tensor", "causal_attention: qkv {} is {}, expected f32",
            shape_str(qkv_in.shape()), dtype_name(qkv_in.dtype()));

@@ -4,6 +4,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 #include "fast_math.h"
 #include "strided.h"
 
@@ -38,6 +39,7 @@ bool is_suffix(const Shape& small, const Shape& big) {
 
 template <typename F>
 Tensor binary_kernel(const Tensor& a, const Tensor& b, const char* op, F f) {
+  profile::Scope scope(profile::Kind::elementwise);
   check_f32(a, op);
   check_f32(b, op);
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), op);
@@ -132,7 +134,8 @@ struct UnaryBackward : Node {
   Tensor saved;
   const char* op;
   DFn dfn;
-  UnaryBackward(Tensor s, const char* o, DFn d) : saved(std::move(s)), op(o), dfn(d) {}
+  profile::Kind kind;
+  UnaryBackward(Tensor s, const char* o, DFn d, profile::Kind k) : saved(std::move(s)), op(o), dfn(d), kind(k) {}
   std::vector<Tensor> apply(const Tensor& g) override {
     Tensor gc = g.contiguous();
     Tensor out = Tensor::empty(saved.shape());
@@ -144,14 +147,17 @@ struct UnaryBackward : Node {
   }
   void release() override { saved = Tensor(); }
   const char* name() const override { return op; }
+  profile::Kind profile_kind() const override { return kind; }
 };
 
 template <typename F, typename DFn>
-Tensor unary_op(const Tensor& a, const char* op, F f, DFn dfn, bool save_output) {
+Tensor unary_op(const Tensor& a, const char* op, F f, DFn dfn, bool save_output,
+                profile::Kind kind = profile::Kind::elementwise) {
+  profile::Scope scope(kind);
   Tensor out = unary_kernel(a, op, f);
   if (autograd::needs_grad({&a})) {
     Tensor saved = save_output ? out.detach() : a.detach().contiguous();
-    autograd::attach(out, std::make_shared<UnaryBackward<DFn>>(saved, op, dfn), {&a});
+    autograd::attach(out, std::make_shared<UnaryBackward<DFn>>(saved, op, dfn, kind), {&a});
   }
   return out;
 }
@@ -270,7 +276,7 @@ Tensor gelu(const Tensor& a) {
     const float du = kGeluC * (1.0f + 3.0f * 0.044715f * x * x);
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
   };
-  return unary_op(a, "gelu", f, df, /*save_output=*/false);
+  return unary_op(a, "gelu", f, df, /*save_output=*/false, profile::Kind::gelu);
 }
 
 Tensor tanh(const Tensor& a) {

@@ -5,6 +5,7 @@
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 
 namespace dtrain::ops {
 
@@ -69,6 +70,7 @@ struct MatmulBackward : Node {
   }
   void release() override { a = b = Tensor(); }
   const char* name() const override { return "matmul"; }
+  profile::Kind profile_kind() const override { return profile::Kind::linear; }
 };
 
 struct LinearBackward : Node {
@@ -101,11 +103,13 @@ struct LinearBackward : Node {
   }
   void release() override { x = w = Tensor(); }
   const char* name() const override { return "linear"; }
+  profile::Kind profile_kind() const override { return profile::Kind::linear; }
 };
 
 }  // namespace
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  profile::Scope scope(profile::Kind::linear);
   check_f32(a_in, "matmul", "left operand");
   check_f32(b_in, "matmul", "right operand");
   DT_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2, "tensor", "matmul: operands need at least 2 dims, got {} and {}",
@@ -147,6 +151,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 }
 
 Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
+  profile::Scope scope(profile::Kind::linear);
   check_f32(x_in, "linear", "input");
   check_f32(weight, "linear", "weight");
   DT_CHECK(weight.dim() == 2, "tensor", "linear: weight must be (out, in), got {}", shape_str(weight.shape()));

@@ -5,6 +5,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 #include "dtrain/tensor/random.h"
 
 namespace dtrain::ops {
@@ -69,9 +70,11 @@ struct SoftmaxBackward : Node {
   }
   void release() override { y = Tensor(); }
   const char* name() const override { return log_space ? "log_softmax" : "softmax"; }
+  profile::Kind profile_kind() const override { return profile::Kind::softmax; }
 };
 
 Tensor softmax_impl(const Tensor& a, bool log_space) {
+  profile::Scope scope(profile::Kind::softmax);
   const char* op = log_space ? "log_softmax" : "softmax";
   check_input(a, op, "input");
   Tensor x = a.detach().contiguous();
@@ -103,6 +106,7 @@ struct CrossEntropyBackward : Node {
   }
   void release() override { probs = Tensor(); }
   const char* name() const override { return "cross_entropy"; }
+  profile::Kind profile_kind() const override { return profile::Kind::cross_entropy; }
 };
 
 struct LayerNormBackward : Node {
@@ -150,6 +154,7 @@ struct LayerNormBackward : Node {
   }
   void release() override { x = w = mean = rstd = Tensor(); }
   const char* name() const override { return "layer_norm"; }
+  profile::Kind profile_kind() const override { return profile::Kind::layer_norm; }
 };
 
 struct EmbeddingBackward : Node {
@@ -169,6 +174,7 @@ struct EmbeddingBackward : Node {
   }
   void release() override { ids.clear(); }
   const char* name() const override { return "embedding"; }
+  profile::Kind profile_kind() const override { return profile::Kind::embedding; }
 };
 
 struct DropoutBackward : Node {
@@ -176,6 +182,7 @@ struct DropoutBackward : Node {
   std::vector<Tensor> apply(const Tensor& g) override { return {mul(g, mask)}; }
   void release() override { mask = Tensor(); }
   const char* name() const override { return "dropout"; }
+  profile::Kind profile_kind() const override { return profile::Kind::dropout; }
 };
 
 // Integer ids stored as f32; every id must be a whole number in [0, limit).
@@ -201,6 +208,7 @@ Tensor softmax(const Tensor& a) { return softmax_impl(a, false); }
 Tensor log_softmax(const Tensor& a) { return softmax_impl(a, true); }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
+  profile::Scope scope(profile::Kind::cross_entropy);
   check_input(logits, "cross_entropy", "logits");
   DT_CHECK(logits.dim() == 2, "tensor", "cross_entropy: logits must be (N, C), got {}", shape_str(logits.shape()));
   const int64_t n = logits.size(0);
@@ -240,6 +248,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
 }
 
 Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, float eps) {
+  profile::Scope scope(profile::Kind::layer_norm);
   check_input(x_in, "layer_norm", "input");
   check_input(weight, "layer_norm", "weight");
   check_input(bias, "layer_norm", "bias");
@@ -285,6 +294,7 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, 
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& ids) {
+  profile::Scope scope(profile::Kind::embedding);
   check_input(weight, "embedding", "weight");
   DT_CHECK(weight.dim() == 2, "tensor", "embedding: weight must be (V, C), got {}", shape_str(weight.shape()));
   const int64_t vocab = weight.size(0);
@@ -310,6 +320,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
 }
 
 Tensor dropout(const Tensor& a, float p, bool training, Generator& gen) {
+  profile::Scope scope(profile::Kind::dropout);
   check_input(a, "dropout", "input");
   DT_CHECK(p >= 0.0f && p < 1.0f, "tensor", "dropout: probability {} not in [0, 1)", p);
   if (!training || p == 0.0f) return a;

@@ -4,6 +4,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 #include "strided.h"
 
 namespace dtrain::ops {
@@ -82,6 +83,7 @@ struct SumBackward : Node {
 };
 
 Tensor reduce(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim, bool is_mean) {
+  profile::Scope scope(profile::Kind::elementwise);
   const char* op = is_mean ? "mean" : "sum";
   DT_CHECK(a.defined(), "tensor", "{}: undefined input", op);
   DT_CHECK(a.dtype() == DType::f32, "tensor", "{}: input {} is {}, expected f32", op, shape_str(a.shape()),

@@ -26,6 +26,7 @@ struct OptionSpec {
   const char* name;  // flag without dashes; the TOML key uses the same name with '_' for '-'
   Target target;
   const char* help;
+  bool bare = false;  // a bool that may be given without a value (--profile, = --profile=true)
 };
 
 std::vector<OptionSpec> option_table(TrainConfig& c) {
@@ -100,6 +101,11 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"metrics", &c.metrics, "write JSON-lines metrics to this file"},
       {"save", &c.save, "save the trained model to this file"},
       {"progress", &c.progress, "progress bar on a terminal (--progress=false for plain log lines)"},
+      {"profile", &c.profile,
+       "time per op kind (matmul, layer norm, GELU, softmax, attention, cross-entropy, embedding, optimizer, "
+       "gradient accumulation and zeroing, bucket copies, communication wait), printed at the end of the run and "
+       "added to the final metrics record",
+       true},
   };
 }
 
@@ -258,7 +264,9 @@ void add_train_options(CLI::App& app, TrainConfig& cfg) {
                       ->delimiter(',')
                       ->expected(1, 64)
                       ->transform(integer_flag<int64_t>());
-          } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+          } else if constexpr (std::is_same_v<T, bool>) {
+            opt = spec.bare ? app.add_flag(flag, *p, spec.help) : app.add_option(flag, *p, spec.help);
+          } else if constexpr (std::is_integral_v<T>) {
             opt = app.add_option(flag, *p, spec.help)->transform(integer_flag<T>());
           } else {
             opt = app.add_option(flag, *p, spec.help);

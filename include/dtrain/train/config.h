@@ -71,6 +71,7 @@ struct TrainConfig {
   std::string save;          // model file
   std::string config_file;
   bool progress = true;  // progress bar when stderr is a terminal
+  bool profile = false;  // time per op kind, printed at the end and in the final record
   /// Names of the options set by a flag or the config file (the rest keep defaults).
   std::set<std::string> given;
 };
