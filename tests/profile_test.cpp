@@ -1,4 +1,5 @@
-// --profile (tensor/profile.h): exclusive time per op kind and phase, and the trainer's report.
+// --profile (tensor/profile.h): exclusive time per op kind and phase, and the trainer's report;
+// MFU against the measured peak in the final record.
 #include "dtrain/tensor/profile.h"
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include "dtrain/nn/models.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/peak.h"
 #include "dtrain/tensor/random.h"
 
 namespace dtrain {
@@ -130,8 +132,9 @@ namespace {
 
 class ProfileCli : public CliTest {};
 
-// `dtrain train --profile` prints the table and records it.
-TEST_F(ProfileCli, TrainPrintsTimePerOpKind) {
+// `dtrain train --profile` prints the table and records it; the final record has the MFU
+// against the measured peak.
+TEST_F(ProfileCli, TrainPrintsTimePerOpKindAndRecordsMfuAgainstTheMeasuredPeak) {
   std::string text;
   for (int i = 0; i < 300; ++i) text += "a small corpus of words that repeat " + std::to_string(i % 5) + "\n";
   write("corpus.txt", text);
@@ -157,6 +160,13 @@ TEST_F(ProfileCli, TrainPrintsTimePerOpKind) {
   const double train = f["train_time_s"].get<double>();
   EXPECT_LE(charged, train * (1 + 1e-9));
   EXPECT_NEAR(f["profile"]["other_s"].get<double>(), train - charged, 1e-9 + 1e-9 * train);
+  // MFU: the model's FLOP rate over the probe's peak, a fraction.
+  const double peak = f["peak_flops_per_rank"].get<double>();
+  EXPECT_GT(peak, 1e8);
+  EXPECT_EQ(f["peak_isa"].get<std::string>(), dtrain::peak_probe_isa(dtrain::Precision::f32));
+  EXPECT_NEAR(f["mfu"].get<double>(), f["model_flops_per_s"].get<double>() / peak, 1e-9);
+  EXPECT_GT(f["mfu"].get<double>(), 0.0);
+  EXPECT_LT(f["mfu"].get<double>(), 1.0);
 
   ProcessResult plain =
       dtrain("train --model mlp --hidden 16 --batch-size 32 --steps 3 --progress=false --metrics " + path("p.jsonl"));

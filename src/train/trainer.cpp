@@ -33,7 +33,9 @@
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/peak.h"
 #include "dtrain/tensor/profile.h"
 #include "dtrain/train/metrics.h"
 #include "same_options.h"
@@ -800,6 +802,12 @@ nlohmann::json Trainer::final_record() {
   result_.tokens_per_s = result_.samples_per_s * static_cast<double>(src_.tokens_per_sample);
   // The whole model's FLOPs (a stage knows its model's full configuration).
   result_.model_flops_per_s = 3.0 * model_->flops_per_sample() * (text_ ? result_.tokens_per_s : result_.samples_per_s);
+  // MFU against the core's measured peak: every process's --threads threads at the rate of the
+  // widest FMA unit present (tensor/peak.h), not against a gemm library's own speed.
+  const Precision peak_precision = Precision::f32;
+  const double peak = measured_peak_flops(cfg_.threads, peak_precision);
+  result_.peak_flops = peak * world_;
+  result_.mfu = result_.peak_flops > 0 ? result_.model_flops_per_s / result_.peak_flops : 0.0;
   nlohmann::json record{{"event", "final"},
                         {"model", cfg_.model},
                         {"steps", result_.steps},
@@ -813,7 +821,11 @@ nlohmann::json Trainer::final_record() {
                         {"train_loss", result_.final_loss},
                         {"train_time_s", result_.train_time_s},
                         {"samples_per_s", result_.samples_per_s},
-                        {"model_flops_per_s", result_.model_flops_per_s}};
+                        {"model_flops_per_s", result_.model_flops_per_s},
+                        {"peak_flops_per_rank", peak},
+                        {"peak_isa", peak_probe_isa(peak_precision)},
+                        {"mfu", result_.mfu},
+                        {"gemm", gemm_backend_name(gemm_backend())}};
   return record;
 }
 
