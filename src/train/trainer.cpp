@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <limits>
 #include <map>
@@ -147,6 +148,14 @@ StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
   const int64_t copies = cfg.optimizer == "adamw" ? 2 : (cfg.momentum != 0.0f ? 1 : 0);
   e.optimizer = copies * e.params / (cfg.zero >= 1 ? cfg.dp : 1);
   return e;
+}
+
+// CPU time of this process (all threads): with the train time, how much of the cores a run had
+// on a shared machine.
+double process_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
@@ -294,6 +303,7 @@ class Trainer {
   // train_step
   TrainResult result_;
   double train_time_ = 0.0, compute_time_ = 0.0, comm_time_ = 0.0, wait_time_ = 0.0;
+  double train_cpu_ = 0.0;  // CPU time of this process over the steps (all its threads)
   uint64_t wire_bytes_ = 0, raw_bytes_ = 0;  // gradient bytes this rank sent, and what f32 would have sent
   double interval_loss_ = 0.0;
   int64_t interval_steps_ = 0;
@@ -539,6 +549,7 @@ void Trainer::train_step(int64_t step) {
     epoch_indices_ = sampler_->indices(epoch_);
   }
   const auto t0 = Clock::now();
+  const double cpu0 = process_cpu_s();
   // Masks per (step, replica): the same on a resumed run, different between replicas.
   nn::reseed_dropout(*model_, (static_cast<uint64_t>(step) << 20) ^ static_cast<uint64_t>(coord_.dp));
   optimizer_->set_lr(sched_.at(step));
@@ -573,6 +584,7 @@ void Trainer::train_step(int64_t step) {
   if (ddp_) trace_->span("synchronize", -1, 0, ts, to, step + 1);
   trace_->span("optimizer", -1, 0, to, t1, step + 1);
   train_time_ += seconds_since(t0, t1);
+  train_cpu_ += process_cpu_s() - cpu0;
   DT_CHECK(std::isfinite(step_loss), "train", "loss is {} at step {} (lr {}): training diverged", step_loss, step + 1,
            optimizer_->lr());
   log_step(step, step_loss);
@@ -820,6 +832,7 @@ nlohmann::json Trainer::final_record() {
                         {"accumulate", cfg_.accumulate},
                         {"train_loss", result_.final_loss},
                         {"train_time_s", result_.train_time_s},
+                        {"train_cpu_s", train_cpu_},
                         {"samples_per_s", result_.samples_per_s},
                         {"model_flops_per_s", result_.model_flops_per_s},
                         {"peak_flops_per_rank", peak},
