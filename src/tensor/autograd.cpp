@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "dtrain/core/error.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 
 namespace dtrain {
@@ -54,9 +55,7 @@ struct AccumulateGrad : Node {
       }
     } else {
       Tensor gc = g.contiguous();
-      float* dst = existing.data();
-      const float* src = gc.data();
-      for (int64_t i = 0, n = existing.numel(); i < n; ++i) dst[i] += src[i];
+      kernels::table().add_into(existing.data(), gc.data(), existing.numel());
     }
     profile::Scope scope(profile::Kind::bucket_copy);
     for (auto& hook : param.impl()->grad_ready_hooks) hook(param);
@@ -76,9 +75,7 @@ void add_gradient(Tensor& slot, const Tensor& g) {
     slot = ops::add(slot, g);
     return;
   }
-  float* __restrict dst = slot.data();
-  const float* __restrict src = g.data();
-  for (int64_t i = 0, n = slot.numel(); i < n; ++i) dst[i] += src[i];
+  kernels::table().add_into(slot.data(), g.data(), slot.numel());
 }
 
 constexpr uint64_t kAccumulatePriority = UINT64_MAX;

@@ -13,9 +13,9 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/profile.h"
-#include "fast_math.h"
 
 namespace dtrain::ops {
 
@@ -31,6 +31,7 @@ struct AttentionBackward : Node {
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     Tensor dqkv = Tensor::empty({b_size, T, 3 * C});
     std::vector<float> dp(static_cast<size_t>(T * T));
+    const kernels::Table& kern = kernels::table();
     const float* pq = qkv.data();
     const float* pg = g.data();
     const float* pa = att.data();
@@ -48,14 +49,7 @@ struct AttentionBackward : Node {
         // dP = dO V^T
         sgemm(false, true, T, T, hd, 1.0f, go, C, v, 3 * C, 0.0f, dp.data(), T);
         // dS = P * (dP - rowsum(dP * P)), in place in dp; masked entries have P = 0.
-        for (int64_t i = 0; i < T; ++i) {
-          float* dr = dp.data() + i * T;
-          const float* pr = p + i * T;
-          float s = 0.0f;
-          for (int64_t j = 0; j <= i; ++j) s += dr[j] * pr[j];
-          for (int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - s);
-          for (int64_t j = i + 1; j < T; ++j) dr[j] = 0.0f;
-        }
+        for (int64_t i = 0; i < T; ++i) kern.causal_softmax_backward_row(p + i * T, dp.data() + i * T, i + 1, T);
         sgemm(false, false, T, hd, T, scale, dp.data(), T, k, 3 * C, 0.0f, dq, 3 * C);
         sgemm(true, false, T, hd, T, scale, dp.data(), T, q, 3 * C, 0.0f, dk, 3 * C);
         sgemm(true, false, T, hd, T, 1.0f, p, T, go, C, 0.0f, dv, 3 * C);
@@ -87,6 +81,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   const float* pq = qkv.data();
   float* po = out.data();
   float* pa = att.data();
+  const kernels::Table& kern = kernels::table();
   for (int64_t b = 0; b < B && T > 0 && hd > 0; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       const float* q = pq + b * T * 3 * C + h * hd;
@@ -94,17 +89,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
       const float* v = q + 2 * C;
       float* p = pa + (b * H + h) * T * T;
       sgemm(false, true, T, T, hd, scale, q, 3 * C, k, 3 * C, 0.0f, p, T);
-      for (int64_t i = 0; i < T; ++i) {
-        float* row = p + i * T;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
-        for (int64_t j = 0; j <= i; ++j) row[j] = detail::fast_exp(row[j] - mx);
-        float sum = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) sum += row[j];
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-        for (int64_t j = i + 1; j < T; ++j) row[j] = 0.0f;
-      }
+      for (int64_t i = 0; i < T; ++i) kern.causal_softmax_row(p + i * T, i + 1, T);
       sgemm(false, false, T, hd, T, 1.0f, p, T, v, 3 * C, 0.0f, po + b * T * C + h * hd, C);
     }
   }

@@ -3,9 +3,9 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/profile.h"
-#include "fast_math.h"
 #include "strided.h"
 
 namespace dtrain::ops {
@@ -134,8 +134,7 @@ struct UnaryBackward : Node {
   Tensor saved;
   const char* op;
   DFn dfn;
-  profile::Kind kind;
-  UnaryBackward(Tensor s, const char* o, DFn d, profile::Kind k) : saved(std::move(s)), op(o), dfn(d), kind(k) {}
+  UnaryBackward(Tensor s, const char* o, DFn d) : saved(std::move(s)), op(o), dfn(d) {}
   std::vector<Tensor> apply(const Tensor& g) override {
     Tensor gc = g.contiguous();
     Tensor out = Tensor::empty(saved.shape());
@@ -147,22 +146,31 @@ struct UnaryBackward : Node {
   }
   void release() override { saved = Tensor(); }
   const char* name() const override { return op; }
-  profile::Kind profile_kind() const override { return kind; }
 };
 
 template <typename F, typename DFn>
-Tensor unary_op(const Tensor& a, const char* op, F f, DFn dfn, bool save_output,
-                profile::Kind kind = profile::Kind::elementwise) {
-  profile::Scope scope(kind);
+Tensor unary_op(const Tensor& a, const char* op, F f, DFn dfn, bool save_output) {
+  profile::Scope scope(profile::Kind::elementwise);
   Tensor out = unary_kernel(a, op, f);
   if (autograd::needs_grad({&a})) {
     Tensor saved = save_output ? out.detach() : a.detach().contiguous();
-    autograd::attach(out, std::make_shared<UnaryBackward<DFn>>(saved, op, dfn, kind), {&a});
+    autograd::attach(out, std::make_shared<UnaryBackward<DFn>>(saved, op, dfn), {&a});
   }
   return out;
 }
 
-constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+struct GeluBackward : Node {
+  Tensor x;  // the input, contiguous
+  std::vector<Tensor> apply(const Tensor& g_in) override {
+    Tensor g = g_in.contiguous();
+    Tensor out = Tensor::empty(x.shape());
+    kernels::table().gelu_backward(x.data(), g.data(), out.data(), x.numel());
+    return {out};
+  }
+  void release() override { x = Tensor(); }
+  const char* name() const override { return "gelu"; }
+  profile::Kind profile_kind() const override { return profile::Kind::gelu; }
+};
 
 }  // namespace
 
@@ -266,17 +274,17 @@ Tensor relu(const Tensor& a) {
 }
 
 Tensor gelu(const Tensor& a) {
-  auto f = [](float x) {
-    const float u = kGeluC * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + detail::fast_tanh(u));
-  };
-  auto df = [](float x) {
-    const float u = kGeluC * (x + 0.044715f * x * x * x);
-    const float t = detail::fast_tanh(u);
-    const float du = kGeluC * (1.0f + 3.0f * 0.044715f * x * x);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
-  };
-  return unary_op(a, "gelu", f, df, /*save_output=*/false, profile::Kind::gelu);
+  profile::Scope scope(profile::Kind::gelu);
+  check_f32(a, "gelu");
+  Tensor x = a.detach().contiguous();
+  Tensor out = Tensor::empty(a.shape());
+  kernels::table().gelu_forward(x.data(), out.data(), out.numel());
+  if (autograd::needs_grad({&a})) {
+    auto node = std::make_shared<GeluBackward>();
+    node->x = x;
+    autograd::attach(out, node, {&a});
+  }
+  return out;
 }
 
 Tensor tanh(const Tensor& a) {

@@ -4,6 +4,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/profile.h"
 
@@ -91,13 +92,7 @@ struct LinearBackward : Node {
     }
     if (next.size() > 2 && next[2]) {
       gb = autograd::gradient_buffer(next[2], {out});
-      float* pb = gb.data();
-      std::fill(pb, pb + out, 0.0f);
-      const float* pg = g.data();
-      for (int64_t r = 0; r < m; ++r) {
-        const float* row = pg + r * out;
-        for (int64_t j = 0; j < out; ++j) pb[j] += row[j];
-      }
+      kernels::table().sum_rows(g.data(), gb.data(), m, out);
     }
     return {gx, gw, gb};
   }

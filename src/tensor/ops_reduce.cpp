@@ -3,6 +3,7 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/profile.h"
 #include "strided.h"
@@ -47,6 +48,15 @@ Tensor sum_kernel(const Tensor& a, const std::vector<bool>& mask) {
       for (int64_t j = 0; j < inner; ++j) acc += row[j];
       o[r] = static_cast<float>(acc);
     }
+    return out;
+  }
+  // Leading dimensions summed (a gradient broadcast over them, e.g. positions over the batch):
+  // rows added element by element in order, as below, but vectorised.
+  const size_t lead = static_cast<size_t>(std::find(mask.begin(), mask.end(), false) - mask.begin());
+  if (a.is_contiguous() && lead > 0 && lead < mask.size() &&
+      std::none_of(mask.begin() + lead, mask.end(), [](bool m) { return m; })) {
+    const int64_t n = out.numel();
+    if (n > 0) kernels::table().sum_rows(p, o, a.numel() / n, n);
     return out;
   }
   Shape out_strides = out.strides();
