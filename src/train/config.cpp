@@ -96,6 +96,10 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"trace", &c.trace, "write a Chrome/Perfetto trace (JSON) of forward, backward, communication, optimizer"},
       {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
       {"threads", &c.threads, "BLAS threads per process"},
+      {"precision", &c.precision,
+       "matrix products: f32 | bf16 (operands rounded to bf16, sums in f32, on AMX or AVX512_BF16 through oneDNN; "
+       "weights, gradients and optimizer state stay f32; a CPU without bf16 instructions runs the same arithmetic "
+       "on f32 units and says so)"},
       {"log-every", &c.log_every, "steps between log lines and metrics records"},
       {"eval-batches", &c.eval_batches, "text: validation batches to evaluate (0 = the whole split)"},
       {"metrics", &c.metrics, "write JSON-lines metrics to this file"},
@@ -331,6 +335,8 @@ void finalize(TrainConfig& c) {
   DT_CHECK(!(!gpt && c.data.rfind("text:", 0) == 0), "config", "--model mlp trains on fashion-mnist, got '{}'", c.data);
   DT_CHECK(c.optimizer == "sgd" || c.optimizer == "adamw", "config", "--optimizer '{}': expected sgd or adamw",
            c.optimizer);
+  DT_CHECK(c.precision == "f32" || c.precision == "bf16", "config", "--precision '{}': expected f32 or bf16",
+           c.precision);
   DT_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "config",
            "--lr-schedule '{}': expected constant or cosine", c.lr_schedule);
   DT_CHECK(c.batch_size > 0, "config", "--batch-size must be positive, got {}", c.batch_size);

@@ -264,6 +264,7 @@ class Trainer {
 
   // join_mesh
   TrainConfig cfg_;
+  Precision precision_ = Precision::f32;
   Clock::time_point origin_;
   int world_ = 1;
   std::unique_ptr<comm::Group> group_;
@@ -303,7 +304,7 @@ class Trainer {
   // train_step
   TrainResult result_;
   double train_time_ = 0.0, compute_time_ = 0.0, comm_time_ = 0.0, wait_time_ = 0.0;
-  double train_cpu_ = 0.0;  // CPU time of this process over the steps (all its threads)
+  double train_cpu_ = 0.0;                   // CPU time of this process over the steps (all its threads)
   uint64_t wire_bytes_ = 0, raw_bytes_ = 0;  // gradient bytes this rank sent, and what f32 would have sent
   double interval_loss_ = 0.0;
   int64_t interval_steps_ = 0;
@@ -314,6 +315,8 @@ class Trainer {
 
 Trainer::Trainer(const TrainConfig& cfg) : cfg_(cfg) {
   set_num_threads(cfg_.threads);
+  precision_ = cfg_.precision == "bf16" ? Precision::bf16 : Precision::f32;
+  set_matmul_precision(precision_);
   origin_ = Clock::now();
   world_ = world_size(cfg_);
 }
@@ -815,8 +818,12 @@ nlohmann::json Trainer::final_record() {
   // The whole model's FLOPs (a stage knows its model's full configuration).
   result_.model_flops_per_s = 3.0 * model_->flops_per_sample() * (text_ ? result_.tokens_per_s : result_.samples_per_s);
   // MFU against the core's measured peak: every process's --threads threads at the rate of the
-  // widest FMA unit present (tensor/peak.h), not against a gemm library's own speed.
-  const Precision peak_precision = Precision::f32;
+  // widest FMA unit present (tensor/peak.h), not against a gemm library's own speed; with bf16
+  // products, the bf16 rate where the CPU has a bf16 unit.
+  Precision peak_precision = precision_;
+  if (peak_precision == Precision::bf16 && measured_peak_flops(cfg_.threads, Precision::bf16) <= 0) {
+    peak_precision = Precision::f32;
+  }
   const double peak = measured_peak_flops(cfg_.threads, peak_precision);
   result_.peak_flops = peak * world_;
   result_.mfu = result_.peak_flops > 0 ? result_.model_flops_per_s / result_.peak_flops : 0.0;
@@ -836,9 +843,11 @@ nlohmann::json Trainer::final_record() {
                         {"samples_per_s", result_.samples_per_s},
                         {"model_flops_per_s", result_.model_flops_per_s},
                         {"peak_flops_per_rank", peak},
+                        {"precision", cfg_.precision},
                         {"peak_isa", peak_probe_isa(peak_precision)},
                         {"mfu", result_.mfu},
                         {"gemm", gemm_backend_name(gemm_backend())}};
+  if (precision_ == Precision::bf16) record["bf16_route"] = bf16_products_route();
   return record;
 }
 

@@ -23,6 +23,8 @@
 #include <string_view>
 #include <vector>
 
+#include "dtrain/tensor/peak.h"
+
 namespace dtrain {
 
 enum class GemmBackend { automatic, openblas, onednn };
@@ -76,5 +78,17 @@ std::string gemm_cache_file();
 
 /// The thread count set_num_threads gave both libraries (0: never set, each library's default).
 int gemm_threads();
+
+/// The precision of every product from now on, process-wide (default f32). bf16: both operands
+/// are rounded to bf16 and the products summed in f32 (`--precision bf16`), on oneDNN's matmul
+/// where oneDNN has bf16 instructions on this CPU (AVX512_BF16, AMX); elsewhere the fallback
+/// rounds the operands to bf16 and runs the f32 sgemm (the same arithmetic: a product of two bf16
+/// values is exact in f32). The first switch to bf16 logs the route (bf16_products_route()).
+void set_matmul_precision(Precision precision);
+Precision matmul_precision();
+/// What bf16 products run on here, or what they fall back to and why, for logs and reports.
+std::string bf16_products_route();
+/// Whether bf16 products run on bf16 instructions (false: the fallback).
+bool bf16_products_native();
 
 }  // namespace dtrain
