@@ -413,6 +413,19 @@ TEST(Gemm, AutoChoicesAreSharedByEveryProcessThroughTheCacheFile) {
   std::filesystem::remove_all(dir);
 }
 
+// Without DTRAIN_GEMM every product runs on oneDNN (a pinned library: the same bits on every run),
+// or on OpenBLAS in a build without it.
+TEST(Gemm, TheDefaultPolicyIsOneDnnWhereTheBuildHasIt) {
+  int code = 0;
+  const std::string out = run_command("env -u DTRAIN_GEMM timeout -k 5 120 " + std::string(DTRAIN_BINARY) +
+                                          " bench gemm --shapes square --seconds 0.02 --size 64 2>&1",
+                                      &code);
+  ASSERT_EQ(code, 0) << out;
+  const std::string want = onednn_available() ? "onednn" : "openblas";
+  EXPECT_NE(out.find("\"gemm\":\"" + want + "\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"backend\":\"" + want + "\""), std::string::npos) << out;
+}
+
 // The probe's peak is positive and no gemm library beats it (25% slack for a machine whose load
 // changed between the two measurements; a probe that missed the widest unit is off by 2x).
 TEST(Peak, ProbeIsPositiveAndNotBelowTheMeasuredSgemmRate) {

@@ -2,7 +2,8 @@
 // OpenBLAS or oneDNN.
 //
 // Vocabulary: a *library* is OpenBLAS or oneDNN; the *policy* is a library or `automatic`.
-// The policy comes from DTRAIN_GEMM=onednn|openblas|auto (default openblas for now, see gemm.cpp) at the first product,
+// The policy comes from DTRAIN_GEMM=onednn|openblas|auto (default onednn where the build has it,
+// else openblas; see gemm.cpp) at the first product,
 // or from set_gemm_backend. Under auto each *shape* (trans_a, trans_b, M, N, K, threads) is
 // *calibrated* on its first call: both libraries run it on the call's own operands a few times,
 // interleaved (on one thread timed by the thread's CPU time, which other processes' load does
