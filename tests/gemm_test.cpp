@@ -277,6 +277,26 @@ TEST(GemmBf16, ProductsRoundBothOperandsToBf16AndSumInF32) {
   for (GemmBackend lib : libraries()) check_case(lib, {false, true, 67, 129, 511});
 }
 
+// gemm_bf16 on operands already rounded (strided, with alpha, beta and a strided C) gives the
+// bits sgemm gives under bf16 products on the f32 operands: the same rounding, the same kernel.
+TEST(GemmBf16, FromRoundedOperandsEqualsTheF32EntryPointBitwise) {
+  PrecisionGuard bf16(Precision::bf16);
+  for (const Case& c : cases()) {
+    const int64_t lda = (c.ta ? c.m : c.k) + c.pad, ldb = (c.tb ? c.k : c.n) + c.pad, ldc = c.n + c.pad;
+    Generator gen(static_cast<uint64_t>(c.m * 7 + c.n * 3 + c.k));
+    const std::vector<float> a = Tensor::randn({(c.ta ? c.k : c.m) * lda}, gen).to_vector();
+    const std::vector<float> b = Tensor::randn({(c.tb ? c.n : c.k) * ldb}, gen).to_vector();
+    const std::vector<float> c0 = Tensor::randn({c.m * ldc}, gen).to_vector();
+    std::vector<uint16_t> a16(a.size()), b16(b.size());
+    for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+    std::vector<float> want = c0, got = c0;
+    sgemm(c.ta, c.tb, c.m, c.n, c.k, c.alpha, a.data(), lda, b.data(), ldb, c.beta, want.data(), ldc);
+    gemm_bf16(c.ta, c.tb, c.m, c.n, c.k, c.alpha, a16.data(), lda, b16.data(), ldb, c.beta, got.data(), ldc);
+    EXPECT_EQ(got, want) << describe(c);
+  }
+}
+
 // Rounding matters: the same product in f32 differs from it (so bf16 was not silently f32).
 TEST(GemmBf16, DiffersFromTheF32Product) {
   const Case c{false, true, 64, 96, 128};

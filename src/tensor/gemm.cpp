@@ -317,23 +317,42 @@ void set_gemm_backend(GemmBackend backend) {
   g_policy.store(static_cast<int>(backend), std::memory_order_release);
 }
 
-void sgemm_on(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-              const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  profile::Scope scope(profile::Kind::matmul);
+namespace {
+
+// The checks of sgemm's arguments; false when nothing is left to multiply (M, N or K is 0: then
+// C is already beta C).
+bool product_to_run(const char* op, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, int64_t lda,
+                    int64_t ldb, float beta, float* c, int64_t ldc) {
   DT_CHECK(m >= 0 && n >= 0 && k >= 0 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, "tensor",
-           "sgemm: dimensions M {} N {} K {} out of range [0, {}]", m, n, k, INT_MAX);
-  if (m == 0 || n == 0) return;
-  DT_CHECK(ldc >= n && ldc <= INT_MAX, "tensor", "sgemm: ldc {} too small for N {}", ldc, n);
+           "{}: dimensions M {} N {} K {} out of range [0, {}]", op, m, n, k, INT_MAX);
+  if (m == 0 || n == 0) return false;
+  DT_CHECK(ldc >= n && ldc <= INT_MAX, "tensor", "{}: ldc {} too small for N {}", op, ldc, n);
   if (k == 0) {  // C = beta C; beta = 0 never reads C (it may be uninitialised)
     for (int64_t i = 0; i < m; ++i) {
       float* row = c + i * ldc;
       for (int64_t j = 0; j < n; ++j) row[j] = beta == 0.0f ? 0.0f : row[j] * beta;
     }
-    return;
+    return false;
   }
   DT_CHECK(lda >= (trans_a ? m : k) && ldb >= (trans_b ? k : n) && lda <= INT_MAX && ldb <= INT_MAX, "tensor",
-           "sgemm: leading dimensions lda {} ldb {} too small for M {} N {} K {} trans {}{}", lda, ldb, m, n, k,
+           "{}: leading dimensions lda {} ldb {} too small for M {} N {} K {} trans {}{}", op, lda, ldb, m, n, k,
            trans_a ? 'T' : 'N', trans_b ? 'T' : 'N');
+  return true;
+}
+
+}  // namespace
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
+               const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  profile::Scope scope(profile::Kind::matmul);
+  if (!product_to_run("gemm_bf16", trans_a, trans_b, m, n, k, lda, ldb, beta, c, ldc)) return;
+  detail::gemm_bf16_operands(GemmBackend::automatic, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void sgemm_on(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+              const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  profile::Scope scope(profile::Kind::matmul);
+  if (!product_to_run("sgemm", trans_a, trans_b, m, n, k, lda, ldb, beta, c, ldc)) return;
   if (matmul_precision() == Precision::bf16) {
     detail::sgemm_bf16(library, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {

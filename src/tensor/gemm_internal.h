@@ -21,6 +21,10 @@ int apply_omp_threads();
 /// fallback's f32 product.
 void sgemm_bf16(GemmBackend f32_library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                 const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+/// The same from operands already in bf16 (gemm.h's gemm_bf16, arguments checked).
+void gemm_bf16_operands(GemmBackend f32_library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                        float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                        float* c, int64_t ldc);
 bool bf16_products_native();
 const std::string& bf16_products_route();
 

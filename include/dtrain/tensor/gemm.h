@@ -87,6 +87,11 @@ int gemm_threads();
 /// values is exact in f32). The first switch to bf16 logs the route (bf16_products_route()).
 void set_matmul_precision(Precision precision);
 Precision matmul_precision();
+/// The product --precision bf16 runs, from operands already rounded to bf16 (their bits, laid out
+/// as sgemm's A and B with the same leading dimensions); C in f32 as sgemm's. For ops that use one
+/// operand in several products (linear's input, weight and output gradient), rounded once.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
+               const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
 /// What bf16 products run on here, or what they fall back to and why, for logs and reports.
 std::string bf16_products_route();
 /// Whether bf16 products run on bf16 instructions (false: the fallback).
