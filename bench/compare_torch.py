@@ -21,13 +21,38 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-# The issue's goals: ratio dtrain/torch must satisfy these (val loss within 3%).
-GOALS = {
-    "samples_per_s": (">=", 1.0),
-    "tokens_per_s": (">=", 1.0),
-    "peak_rss_MiB": ("<=", 1.0),
-    "val_loss": ("within", 0.03),
-}
+# Cores whose kernels OpenBLAS limits to AVX2 when OPENBLAS_CORETYPE names them.
+AVX2_CORETYPES = {"haswell", "zen", "sandybridge"}
+
+
+def cpu_info():
+    """(model name, the vector extensions among the flags) from /proc/cpuinfo."""
+    model, flags = "unknown CPU", []
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = value.split()
+    vector = [w for w in flags if w == "fma" or w.startswith("avx") or w.startswith("amx")]
+    return model, vector
+
+
+def goals(vector):
+    """Issue 21's goals for the ratio dtrain/torch: 1.8x where the CPU has AVX-512 but OpenBLAS is
+    held to AVX2 (OPENBLAS_CORETYPE), 1.3x elsewhere; val loss within 3%; GPT MFU >= 70% of the
+    measured core peak (an absolute figure, checked on dtrain's value)."""
+    held = os.environ.get("OPENBLAS_CORETYPE", "").lower() in AVX2_CORETYPES and "avx512f" in vector
+    speed = 1.8 if held else 1.3
+    return {
+        "samples_per_s": (">=", speed),
+        "tokens_per_s": (">=", speed),
+        "peak_rss_MiB": ("<=", 1.0),
+        "val_loss": ("within", 0.03),
+        "mfu_%": ("dtrain>=", 70.0),
+    }, held
 
 
 def env():
@@ -76,6 +101,7 @@ def run_dtrain(job, a, seed, log):
     with tempfile.TemporaryDirectory() as d:
         metrics = os.path.join(d, "metrics.jsonl")
         cmd = [a.dtrain, "train"] + job_args(job, a, seed) + ["--progress=false", "--metrics", metrics]
+        cmd += a.dtrain_args.split()
         _, rss, wall = run(cmd, log)
         with open(metrics) as f:
             rec = last_json(f.read())
@@ -93,10 +119,13 @@ def run_torch(job, a, seed, log):
 
 
 def gemm_peak(a, log):
-    d = last_json(run([a.dtrain, "bench", "gemm", "--size", "512", "--threads", "1"], log)[0])
+    """The core's measured peak (FMA probe) and the sgemm rates at n = 512: dtrain's (its policy's
+    library) and torch.mm's."""
+    d = last_json(run([a.dtrain, "bench", "gemm", "--shapes", "square", "--size", "512", "--threads", "1"],
+                      log)[0])
     t = last_json(run([a.python, os.path.join(HERE, "torch_reference.py"), "--model", "gemm",
                        "--size", "512", "--threads", "1"], log)[0])
-    return d["gflops"], t["gflops"]
+    return d, t["gflops"]
 
 
 def gpt_flops_per_token(L, C, T, vocab=256):
@@ -139,6 +168,7 @@ def main():
     p.add_argument("--jobs", default="mlp,gpt")
     p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "release", "dtrain"))
     p.add_argument("--python", default="/usr/bin/python3", help="interpreter with PyTorch")
+    p.add_argument("--dtrain-args", default="", help="more flags for dtrain train, e.g. '--precision bf16'")
     p.add_argument("--out", default=os.path.join(HERE, "results", "compare_torch.json"))
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args()
@@ -148,16 +178,21 @@ def main():
         sys.exit(f"{a.dtrain}: not built (make build)")
 
     runs = {j: {"dtrain": [], "torch": []} for j in jobs}
-    gemm = {"dtrain": [], "torch": []}
+    gemm = {"dtrain": [], "torch": [], "peak_f32": [], "onednn": [], "openblas": []}
+    model, vector = cpu_info()
+    GOALS, held = goals(vector)
     for r in range(a.repeats):
         seed = a.seed + r
         first_dtrain = r % 2 == 0  # alternate who goes first
         if log:
             print(f"repeat {r + 1}/{a.repeats} (seed {seed}, {'dtrain' if first_dtrain else 'torch'} first)",
                   file=sys.stderr, flush=True)
-        g = gemm_peak(a, log)
-        gemm["dtrain"].append(g[0])
-        gemm["torch"].append(g[1])
+        g, torch_gflops = gemm_peak(a, log)
+        gemm["dtrain"].append(g["gflops"])
+        gemm["torch"].append(torch_gflops)
+        gemm["peak_f32"].append(g["peak_f32_gflops"])
+        gemm["openblas"].append(g.get("openblas_gflops_cpu"))
+        gemm["onednn"].append(g.get("onednn_gflops_cpu"))
         for j in jobs:
             order = [("dtrain", run_dtrain), ("torch", run_torch)]
             if not first_dtrain:
@@ -165,7 +200,8 @@ def main():
             for name, fn in order:
                 runs[j][name].append(fn(j, a, seed, log))
 
-    peak = statistics.median(gemm["dtrain"])  # the single-core sgemm peak (dtrain bench gemm)
+    peak = statistics.median(gemm["peak_f32"])  # the core's measured FMA peak (dtrain bench gemm)
+    sgemm512 = statistics.median(gemm["dtrain"])  # the old denominator: dtrain's sgemm at n = 512
     n_params, fpt = gpt_flops_per_token(a.layers, a.width, a.seq_len)
     rows = []
 
@@ -179,7 +215,10 @@ def main():
         goal = GOALS.get(metric)
         if goal and ratio is not None and not (metric == "val_loss" and a.gpt_steps < 1000):
             op, v = goal
-            ok = ratio >= v if op == ">=" else ratio <= v if op == "<=" else abs(ratio - 1.0) <= v
+            if op == "dtrain>=":
+                ok = s["dtrain"]["median"] >= v
+            else:
+                ok = ratio >= v if op == ">=" else ratio <= v if op == "<=" else abs(ratio - 1.0) <= v
             check = "ok" if ok else "FAIL"
         rows.append({"job": job, "metric": metric, "dtrain": s["dtrain"], "torch": s["torch"], "ratio": ratio,
                      "check": check, "digits": digits})
@@ -195,6 +234,7 @@ def main():
         else:
             add(j, "val_loss", lambda r: r.get("val_loss"), 4)
             add(j, "mfu_%", lambda r: r["tokens_per_s"] * fpt / (peak * 1e9), 2, 100.0)
+            add(j, "mfu_vs_sgemm512_%", lambda r: r["tokens_per_s"] * fpt / (sgemm512 * 1e9), 2, 100.0)
         for rec in runs[j]["torch"]:
             d = runs[j]["dtrain"][0]
             if rec.get("params") != d.get("params"):
@@ -212,12 +252,16 @@ def main():
     print(f"dtrain vs PyTorch {runs[jobs[0]]['torch'][0].get('torch_version', '?')}, one thread each, "
           f"{a.repeats} repeat(s); mlp {a.mlp_steps} steps, gpt {a.gpt_steps} steps, "
           f"eval batches {a.eval_batches or 'all'}")
+    print(f"CPU: {model} [{' '.join(vector)}]; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; "
+          f"DTRAIN_GEMM={os.environ.get('DTRAIN_GEMM', '(default)')}; speed goal "
+          f"{GOALS['tokens_per_s'][1]}x ({'OpenBLAS held to AVX2 on an AVX-512 CPU' if held else 'any other CPU'})")
     for i, row in enumerate(table):
         print("  ".join(c.ljust(w) if k < 2 else c.rjust(w) for k, (c, w) in enumerate(zip(row, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print(f"sgemm 512 single-core peak: dtrain bench gemm {fmt(summary(gemm['dtrain']), 1)} GFLOP/s "
-          f"(used for MFU), torch.mm {fmt(summary(gemm['torch']), 1)} GFLOP/s")
+    print(f"core peak (FMA probe, f32): {fmt(summary(gemm['peak_f32']), 1)} GFLOP/s (mfu_%); sgemm n=512: dtrain "
+          f"{fmt(summary(gemm['dtrain']), 1)} (mfu_vs_sgemm512_%), OpenBLAS {fmt(summary(gemm['openblas']), 1)}, "
+          f"oneDNN {fmt(summary(gemm['onednn']), 1)}, torch.mm {fmt(summary(gemm['torch']), 1)} GFLOP/s")
     if "gpt" in jobs:
         print(f"gpt FLOPs/token = 6N + 12LTC = 6*{n_params} + 12*{a.layers}*{a.seq_len}*{a.width} = {fpt}")
     if "gpt" in jobs and a.gpt_steps < 1000:
@@ -226,7 +270,8 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"config": vars(a), "env": ONE_THREAD, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                   "sgemm_gflops": gemm, "sgemm_peak_gflops": peak,
+                   "cpu": model, "cpu_vector_flags": vector,
+                   "sgemm_gflops": gemm, "peak_f32_gflops": peak, "sgemm512_gflops": sgemm512,
                    "gpt_non_embedding_params": n_params, "gpt_flops_per_token": fpt,
                    "rows": [{k: v for k, v in r.items() if k != "digits"} for r in rows],
                    "runs": runs}, f, indent=1)

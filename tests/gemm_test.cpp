@@ -1,12 +1,15 @@
 // The one sgemm (tensor/gemm.h) on each library against a double-precision reference, for every
 // transpose, odd shapes and strided operands; the auto policy's per-shape choice; threads (one
-// thread is one thread, on threads that never set it too); oneDNN held to AVX2 in a child process
-// (results and the product ops' gradients there); and the FMA probe's peak (tensor/peak.h).
+// thread is one thread, on threads that never set it too); bf16 products (--precision bf16);
+// oneDNN held to AVX2 in a child process (results, every op's gradients, the kernels and bf16's
+// fallback there); and the FMA probe's peak (tensor/peak.h).
 //
 // Error bound: any summation order of a K-term dot product in f32 is off from the exact value by
 // at most gamma_K sum_k |a_ik b_kj|, gamma_K = K u / (1 - K u), u = 2^-24; alpha and beta add a
 // few u of |alpha| sum |a b| + |beta c|. The bound holds for every blocking and FMA use, so a
-// failure is a wrong element, not rounding.
+// failure is a wrong element, not rounding. With bf16 products the reference multiplies the
+// operands rounded to bf16, so the same bound checks that exactly those products were summed in
+// f32 (against the unrounded operands that is (2^-7 + 2^-16 + gamma_K) sum |a b|).
 #include "dtrain/tensor/gemm.h"
 
 #include <gtest/gtest.h>
@@ -27,6 +30,8 @@
 #include <vector>
 
 #include "dtrain/core/error.h"
+#include "dtrain/tensor/half.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/peak.h"
 #include "dtrain/tensor/random.h"
@@ -60,6 +65,9 @@ std::vector<float> check_case(GemmBackend library, const Case& c) {
   } else {
     sgemm_on(library, c.ta, c.tb, c.m, c.n, c.k, c.alpha, a.data(), lda, b.data(), ldb, c.beta, out.data(), ldc);
   }
+  // With bf16 products the reference multiplies the operands rounded to bf16, as they are.
+  const bool bf16 = matmul_precision() == Precision::bf16;
+  auto operand = [bf16](float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; };
   const double u = std::ldexp(1.0, -24);
   const double gamma = static_cast<double>(c.k) * u / (1.0 - static_cast<double>(c.k) * u);
   int wrong = 0;
@@ -68,8 +76,8 @@ std::vector<float> check_case(GemmBackend library, const Case& c) {
     for (int64_t j = 0; j < c.n; ++j) {
       double exact = 0, magnitude = 0;
       for (int64_t p = 0; p < c.k; ++p) {
-        const double x = a[static_cast<size_t>(c.ta ? p * lda + i : i * lda + p)];
-        const double y = b[static_cast<size_t>(c.tb ? j * ldb + p : p * ldb + j)];
+        const double x = operand(a[static_cast<size_t>(c.ta ? p * lda + i : i * lda + p)]);
+        const double y = operand(b[static_cast<size_t>(c.tb ? j * ldb + p : p * ldb + j)]);
         exact += x * y;
         magnitude += std::fabs(x * y);
       }
@@ -251,6 +259,75 @@ TEST(Gemm, OneThreadIsOneThreadOnEveryCallingThread) {
   set_num_threads(saved > 0 ? saved : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 }
 
+// ---------------------------------------------------------------- bf16 products
+
+// Restores the product precision a test changed.
+struct PrecisionGuard {
+  Precision saved = matmul_precision();
+  explicit PrecisionGuard(Precision p) { set_matmul_precision(p); }
+  ~PrecisionGuard() { set_matmul_precision(saved); }
+};
+
+// With bf16 products every element is within the f32-summation bound of the product of the
+// operands rounded to bf16 (check_case's reference rounds them): the operands are bf16, the sums
+// f32. Against the unrounded operands that is within (2^-7 + 2^-16 + gamma_K) sum |a b|.
+TEST(GemmBf16, ProductsRoundBothOperandsToBf16AndSumInF32) {
+  PrecisionGuard bf16(Precision::bf16);
+  for (const Case& c : cases()) check_case(GemmBackend::automatic, c);
+  for (GemmBackend lib : libraries()) check_case(lib, {false, true, 67, 129, 511});
+}
+
+// gemm_bf16 on operands already rounded (strided, with alpha, beta and a strided C) gives the
+// bits sgemm gives under bf16 products on the f32 operands: the same rounding, the same kernel.
+TEST(GemmBf16, FromRoundedOperandsEqualsTheF32EntryPointBitwise) {
+  PrecisionGuard bf16(Precision::bf16);
+  for (const Case& c : cases()) {
+    const int64_t lda = (c.ta ? c.m : c.k) + c.pad, ldb = (c.tb ? c.k : c.n) + c.pad, ldc = c.n + c.pad;
+    Generator gen(static_cast<uint64_t>(c.m * 7 + c.n * 3 + c.k));
+    const std::vector<float> a = Tensor::randn({(c.ta ? c.k : c.m) * lda}, gen).to_vector();
+    const std::vector<float> b = Tensor::randn({(c.tb ? c.n : c.k) * ldb}, gen).to_vector();
+    const std::vector<float> c0 = Tensor::randn({c.m * ldc}, gen).to_vector();
+    std::vector<uint16_t> a16(a.size()), b16(b.size());
+    for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+    std::vector<float> want = c0, got = c0;
+    sgemm(c.ta, c.tb, c.m, c.n, c.k, c.alpha, a.data(), lda, b.data(), ldb, c.beta, want.data(), ldc);
+    gemm_bf16(c.ta, c.tb, c.m, c.n, c.k, c.alpha, a16.data(), lda, b16.data(), ldb, c.beta, got.data(), ldc);
+    EXPECT_EQ(got, want) << describe(c);
+  }
+}
+
+// Rounding matters: the same product in f32 differs from it (so bf16 was not silently f32).
+TEST(GemmBf16, DiffersFromTheF32Product) {
+  const Case c{false, true, 64, 96, 128};
+  const std::vector<float> f32 = check_case(GemmBackend::automatic, c);
+  PrecisionGuard bf16(Precision::bf16);
+  const std::vector<float> b = check_case(GemmBackend::automatic, c);
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < f32.size(); ++i) {
+    diff += (static_cast<double>(b[i]) - f32[i]) * (static_cast<double>(b[i]) - f32[i]);
+    norm += static_cast<double>(f32[i]) * f32[i];
+  }
+  EXPECT_GT(std::sqrt(diff / norm), 1e-4);
+  EXPECT_LT(std::sqrt(diff / norm), 1e-2);
+}
+
+// The route is oneDNN's matmul on bf16 instructions where the CPU has them (and ONEDNN_MAX_CPU_ISA
+// lets oneDNN use them), else the fallback, and it says which.
+TEST(GemmBf16, TheRouteIsNativeWhereTheCpuHasBf16InstructionsAndSaysSo) {
+  const std::string route = bf16_products_route();
+  const std::string isa = onednn_isa();
+  const bool has = onednn_available() && (isa == "avx512_core_bf16" || isa == "avx512_core_amx");
+  EXPECT_EQ(bf16_products_native(), has) << route;
+  if (has) {
+    EXPECT_EQ(route.rfind("bf16 products: oneDNN's matmul (" + isa, 0), 0u) << route;
+    EXPECT_EQ(route.find("fallback"), std::string::npos) << route;
+  } else {
+    EXPECT_EQ(route.rfind("bf16 products: fallback: operands rounded to bf16, products and sums in f32", 0), 0u)
+        << route;
+  }
+}
+
 // The child half of the next test: runs only in the process that test starts, with oneDNN held
 // to AVX2 before its first call.
 TEST(GemmAvx2Child, OneDnnRunsOnAvx2AndMatchesTheReference) {
@@ -265,15 +342,26 @@ TEST(GemmAvx2Child, OneDnnRunsOnAvx2AndMatchesTheReference) {
   }
   for (const Case& c : cases()) check_case(GemmBackend::onednn, c);
   for (const Case& c : cases()) check_case(GemmBackend::automatic, c);
+  // dtrain's own kernels follow the same cap, and bf16 products take the fallback.
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    EXPECT_EQ(std::string(kernels::table().isa), "avx2");
+  }
+  EXPECT_FALSE(bf16_products_native()) << bf16_products_route();
+  EXPECT_NE(bf16_products_route().find("fallback"), std::string::npos) << bf16_products_route();
 }
 
 // A CPU without AVX-512: oneDNN's kernels held to AVX2 (ONEDNN_MAX_CPU_ISA, read once before the
-// first call, so in a fresh process) give reference results, and the product ops' gradients
-// still match finite differences with every product on oneDNN.
+// first call, so in a fresh process), and with them dtrain's own kernels (tensor/kernels.h) and
+// the bf16 products (the fallback: no bf16 instructions below AVX-512). Products against the
+// double reference, every op's values and finite-difference gradients, the kernels' references,
+// bf16 against f32, models and optimizers: all in the child, every product on oneDNN.
 TEST(Gemm, OneDnnHeldToAvx2MatchesTheReferenceAndGradients) {
   if (!onednn_available()) GTEST_SKIP() << "built without oneDNN";
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  const std::string filter = "GemmAvx2Child.*:OpsMatmul.*:OpsLinear.*:OpsAttention.*";
+  // Everything that computes: products (f32 and bf16), every op's values and gradients, the
+  // kernels, the models and the optimizers.
+  const std::string filter =
+      "GemmAvx2Child.*:GemmBf16.*:Bf16Ops.*:Ops*:Kernels.*:Autograd*:Nn*:Optim*:Gemm.EachLibrary*:Gemm.EveryLibrary*";
   const std::string cmd = "ONEDNN_MAX_CPU_ISA=AVX2 DTRAIN_GEMM=onednn DTRAIN_GEMM_TEST_CHILD=avx2 timeout -k 5 240 " +
                           self + " --gtest_filter='" + filter + "' 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
@@ -286,6 +374,11 @@ TEST(Gemm, OneDnnHeldToAvx2MatchesTheReferenceAndGradients) {
   EXPECT_NE(out.find("[       OK ] GemmAvx2Child.OneDnnRunsOnAvx2AndMatchesTheReference"), std::string::npos) << out;
   EXPECT_NE(out.find("[       OK ] OpsMatmul.Gradients"), std::string::npos) << out;
   EXPECT_NE(out.find("[       OK ] OpsAttention.Gradient"), std::string::npos) << out;
+  EXPECT_NE(out.find("[       OK ] OpsWideRows."), std::string::npos) << out;
+  EXPECT_NE(out.find("[       OK ] GemmBf16.ProductsRoundBothOperandsToBf16AndSumInF32"), std::string::npos) << out;
+  EXPECT_NE(out.find("[       OK ] Bf16Ops.AGptLossAndParameterGradientsStayWithinBf16RoundingOfF32"),
+            std::string::npos)
+      << out;
   EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
 }
 
@@ -338,6 +431,19 @@ TEST(Gemm, AutoChoicesAreSharedByEveryProcessThroughTheCacheFile) {
   }
   EXPECT_EQ(backend_of(80), "openblas");
   std::filesystem::remove_all(dir);
+}
+
+// Without DTRAIN_GEMM every product runs on oneDNN (a pinned library: the same bits on every run),
+// or on OpenBLAS in a build without it.
+TEST(Gemm, TheDefaultPolicyIsOneDnnWhereTheBuildHasIt) {
+  int code = 0;
+  const std::string out = run_command("env -u DTRAIN_GEMM timeout -k 5 120 " + std::string(DTRAIN_BINARY) +
+                                          " bench gemm --shapes square --seconds 0.02 --size 64 2>&1",
+                                      &code);
+  ASSERT_EQ(code, 0) << out;
+  const std::string want = onednn_available() ? "onednn" : "openblas";
+  EXPECT_NE(out.find("\"gemm\":\"" + want + "\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"backend\":\"" + want + "\""), std::string::npos) << out;
 }
 
 // The probe's peak is positive and no gemm library beats it (25% slack for a machine whose load

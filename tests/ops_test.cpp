@@ -1332,3 +1332,26 @@ TEST(OpsRandom, DistributionsHaveTheRightRangeAndMoments) {
     ASSERT_LT(v, 3.0f);
   }
 }
+
+// ---------------------------------------------------------------- rows as wide as vectors
+
+// The ops whose rows run in vector lanes (tensor/kernels.h), at widths with whole vectors and a
+// tail (37 = 2 x 16 + 5 = 4 x 8 + 5): forward against the naive references, gradients against
+// finite differences.
+TEST(OpsWideRows, VectorisedOpsMatchReferencesAndFiniteDifferencesOverWholeVectorsAndTails) {
+  const Tensor x = test::randn({3, 37}, 131, 2.0f);
+  const Tensor w = test::randn({37}, 132), b = test::randn({37}, 133);
+  EXPECT_TRUE(all_close(ops::layer_norm(x, w, b), naive_layer_norm(x, w, b, 1e-5), 1e-5, 1e-5));
+  EXPECT_TRUE(all_close(ops::softmax(x), naive_softmax(x, false), 1e-6, 1e-5));
+  EXPECT_TRUE(all_close(ops::log_softmax(x), naive_softmax(x, true), 1e-5, 1e-5));
+  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return ops::layer_norm(in[0], in[1], in[2]); }, {x, w, b}));
+  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return ops::softmax(in[0]); }, {x}));
+  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return ops::log_softmax(in[0]); }, {x}));
+  const Tensor targets = Tensor::from_vector({3}, {0, 36, 17});
+  EXPECT_TRUE(gradcheck([targets](const std::vector<Tensor>& in) { return ops::cross_entropy(in[0], targets); }, {x}));
+  const Tensor qkv = test::randn({1, 19, 96}, 134);
+  EXPECT_TRUE(all_close(ops::causal_attention(qkv, 2), naive_attention(qkv, 2), 1e-5, 1e-5));
+  GradcheckOptions some;
+  some.max_checks_per_input = 300;
+  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 2); }, {qkv}, some));
+}

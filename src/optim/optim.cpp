@@ -4,6 +4,7 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/kernels.h"
 
 namespace dtrain::optim {
 
@@ -112,16 +113,8 @@ void AdamW::step() {
     const float step_size = lr_ / bc1;
     const float inv_bc2_sqrt = 1.0f / std::sqrt(bc2);
     const float decay = 1.0f - lr_ * weight_decay_;
-    float* __restrict p = params_[i].data();
-    const float* __restrict pg = g.data();
-    float* __restrict m = exp_avg_[i].data();
-    float* __restrict v = exp_avg_sq_[i].data();
-    for (int64_t j = 0, n = params_[i].numel(); j < n; ++j) {
-      p[j] *= decay;
-      m[j] = beta1_ * m[j] + (1.0f - beta1_) * pg[j];
-      v[j] = beta2_ * v[j] + (1.0f - beta2_) * pg[j] * pg[j];
-      p[j] -= step_size * m[j] / (std::sqrt(v[j]) * inv_bc2_sqrt + eps_);
-    }
+    kernels::table().adamw(params_[i].data(), g.data(), exp_avg_[i].data(), exp_avg_sq_[i].data(), params_[i].numel(),
+                           decay, beta1_, beta2_, step_size, inv_bc2_sqrt, eps_);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "dtrain/core/error.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 
 namespace dtrain {
@@ -29,6 +30,7 @@ struct AccumulateGrad : Node {
     return {};
   }
   const char* name() const override { return "accumulate_grad"; }
+  profile::Kind profile_kind() const override { return profile::Kind::grad_accumulate; }
 
   static void accumulate(Tensor& param, const Tensor& g) {
     DT_CHECK(g.shape() == param.shape(), "autograd", "gradient {} for parameter {}", shape_str(g.shape()),
@@ -53,13 +55,28 @@ struct AccumulateGrad : Node {
       }
     } else {
       Tensor gc = g.contiguous();
-      float* dst = existing.data();
-      const float* src = gc.data();
-      for (int64_t i = 0, n = existing.numel(); i < n; ++i) dst[i] += src[i];
+      kernels::table().add_into(existing.data(), gc.data(), existing.numel());
     }
+    profile::Scope scope(profile::Kind::bucket_copy);
     for (auto& hook : param.impl()->grad_ready_hooks) hook(param);
   }
 };
+
+// The sum of two gradients for the same node input. In place when `slot` is the only handle on
+// its storage (a fresh result an op returned): the same values as ops::add, without a new
+// buffer.
+void add_gradient(Tensor& slot, const Tensor& g) {
+  profile::Scope scope(profile::Kind::grad_accumulate);
+  const TensorImpl& s = *slot.impl();
+  const bool exclusive = slot.impl_ptr().use_count() == 1 && s.storage.use_count() == 1 && slot.is_contiguous() &&
+                         g.is_contiguous() && slot.shape() == g.shape() && slot.dtype() == DType::f32 &&
+                         g.dtype() == DType::f32 && !slot.requires_grad() && !slot.same(g);
+  if (!exclusive) {
+    slot = ops::add(slot, g);
+    return;
+  }
+  kernels::table().add_into(slot.data(), g.data(), slot.numel());
+}
 
 constexpr uint64_t kAccumulatePriority = UINT64_MAX;
 
@@ -131,6 +148,7 @@ void run_backward(const Tensor& root, const Tensor& seed) {
            shape_str(seed.shape()), shape_str(root.shape()));
   DT_CHECK(root.requires_grad(), "autograd", "backward() on a tensor that does not require grad");
   NoGradGuard no_grad;
+  profile::BackwardPhase backward_phase;
   if (root.is_leaf()) {
     Tensor leaf = root;
     AccumulateGrad::accumulate(leaf, seed);
@@ -174,14 +192,21 @@ void run_backward(const Tensor& root, const Tensor& seed) {
       pending.erase(it);
     }
     std::vector<Tensor> input_grads;
-    if (grad.defined()) input_grads = node->apply(grad);
+    if (grad.defined()) {
+      profile::Scope scope(node->profile_kind());
+      input_grads = node->apply(grad);
+    }
     grad = Tensor();
     for (size_t i = 0; i < node->next.size(); ++i) {
       const std::shared_ptr<Node>& nx = node->next[i];
       if (!nx) continue;
       if (i < input_grads.size() && input_grads[i].defined()) {
         Tensor& slot = pending[nx.get()];
-        slot = slot.defined() ? ops::add(slot, input_grads[i]) : std::move(input_grads[i]);
+        if (slot.defined()) {
+          add_gradient(slot, input_grads[i]);
+        } else {
+          slot = std::move(input_grads[i]);
+        }
       }
       if (--dependencies[nx.get()] == 0) ready.push({priority(nx.get()), nx});
     }

@@ -3,8 +3,9 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
-#include "fast_math.h"
+#include "dtrain/tensor/profile.h"
 #include "strided.h"
 
 namespace dtrain::ops {
@@ -38,6 +39,7 @@ bool is_suffix(const Shape& small, const Shape& big) {
 
 template <typename F>
 Tensor binary_kernel(const Tensor& a, const Tensor& b, const char* op, F f) {
+  profile::Scope scope(profile::Kind::elementwise);
   check_f32(a, op);
   check_f32(b, op);
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), op);
@@ -148,6 +150,7 @@ struct UnaryBackward : Node {
 
 template <typename F, typename DFn>
 Tensor unary_op(const Tensor& a, const char* op, F f, DFn dfn, bool save_output) {
+  profile::Scope scope(profile::Kind::elementwise);
   Tensor out = unary_kernel(a, op, f);
   if (autograd::needs_grad({&a})) {
     Tensor saved = save_output ? out.detach() : a.detach().contiguous();
@@ -156,7 +159,18 @@ Tensor unary_op(const Tensor& a, const char* op, F f, DFn dfn, bool save_output)
   return out;
 }
 
-constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+struct GeluBackward : Node {
+  Tensor x;  // the input, contiguous
+  std::vector<Tensor> apply(const Tensor& g_in) override {
+    Tensor g = g_in.contiguous();
+    Tensor out = Tensor::empty(x.shape());
+    kernels::table().gelu_backward(x.data(), g.data(), out.data(), x.numel());
+    return {out};
+  }
+  void release() override { x = Tensor(); }
+  const char* name() const override { return "gelu"; }
+  profile::Kind profile_kind() const override { return profile::Kind::gelu; }
+};
 
 }  // namespace
 
@@ -260,17 +274,17 @@ Tensor relu(const Tensor& a) {
 }
 
 Tensor gelu(const Tensor& a) {
-  auto f = [](float x) {
-    const float u = kGeluC * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + detail::fast_tanh(u));
-  };
-  auto df = [](float x) {
-    const float u = kGeluC * (x + 0.044715f * x * x * x);
-    const float t = detail::fast_tanh(u);
-    const float du = kGeluC * (1.0f + 3.0f * 0.044715f * x * x);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
-  };
-  return unary_op(a, "gelu", f, df, /*save_output=*/false);
+  profile::Scope scope(profile::Kind::gelu);
+  check_f32(a, "gelu");
+  Tensor x = a.detach().contiguous();
+  Tensor out = Tensor::empty(a.shape());
+  kernels::table().gelu_forward(x.data(), out.data(), out.numel());
+  if (autograd::needs_grad({&a})) {
+    auto node = std::make_shared<GeluBackward>();
+    node->x = x;
+    autograd::attach(out, node, {&a});
+  }
+  return out;
 }
 
 Tensor tanh(const Tensor& a) {

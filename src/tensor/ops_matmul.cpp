@@ -4,7 +4,9 @@
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 
 namespace dtrain::ops {
 
@@ -69,43 +71,61 @@ struct MatmulBackward : Node {
   }
   void release() override { a = b = Tensor(); }
   const char* name() const override { return "matmul"; }
+  profile::Kind profile_kind() const override { return profile::Kind::linear; }
 };
 
+const uint16_t* bf16_bits(const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); }
+
+// C (M, N) = op(A) op(B) from bf16 operands, contiguous: gemm's layout with gemm_bf16.
+void gemm_bf16_packed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const Tensor& a, const Tensor& b, float beta,
+                      float* c) {
+  gemm_bf16(ta, tb, m, n, k, 1.0f, bf16_bits(a), std::max<int64_t>(1, ta ? m : k), bf16_bits(b),
+            std::max<int64_t>(1, tb ? k : n), beta, c, std::max<int64_t>(1, n));
+}
+
+// With --precision bf16 the forward rounds x and W to bf16 once and keeps those copies (not the
+// f32 ones) for the backward, which rounds the output gradient once for both of its products.
 struct LinearBackward : Node {
-  Tensor x, w;  // x (M, in) contiguous, w (out, in)
+  Tensor x, w;  // x (M, in) contiguous, w (out, in): f32, or bf16 under bf16 products
   Shape x_shape;
   int64_t m, in, out;
   std::vector<Tensor> apply(const Tensor& g_in) override {
     Tensor g = g_in.contiguous();  // (M, out)
     Tensor gx, gw, gb;
+    const bool bf16 = x.dtype() == DType::bf16;
+    const Tensor g16 = bf16 && (next[0] || next[1]) ? g.to(DType::bf16) : Tensor();
     if (next[0]) {
       gx = Tensor::empty({m, in});
-      gemm(false, false, m, in, out, 1.0f, g.data(), w.data(), 0.0f, gx.data());
+      if (bf16) {
+        gemm_bf16_packed(false, false, m, in, out, g16, w, 0.0f, gx.data());
+      } else {
+        gemm(false, false, m, in, out, 1.0f, g.data(), w.data(), 0.0f, gx.data());
+      }
       gx = gx.reshape(x_shape);
     }
     if (next[1]) {
       gw = autograd::gradient_buffer(next[1], {out, in});
-      gemm(true, false, out, in, m, 1.0f, g.data(), x.data(), 0.0f, gw.data());
+      if (bf16) {
+        gemm_bf16_packed(true, false, out, in, m, g16, x, 0.0f, gw.data());
+      } else {
+        gemm(true, false, out, in, m, 1.0f, g.data(), x.data(), 0.0f, gw.data());
+      }
     }
     if (next.size() > 2 && next[2]) {
       gb = autograd::gradient_buffer(next[2], {out});
-      float* pb = gb.data();
-      std::fill(pb, pb + out, 0.0f);
-      const float* pg = g.data();
-      for (int64_t r = 0; r < m; ++r) {
-        const float* row = pg + r * out;
-        for (int64_t j = 0; j < out; ++j) pb[j] += row[j];
-      }
+      kernels::table().sum_rows(g.data(), gb.data(), m, out);
     }
     return {gx, gw, gb};
   }
   void release() override { x = w = Tensor(); }
   const char* name() const override { return "linear"; }
+  profile::Kind profile_kind() const override { return profile::Kind::linear; }
 };
 
 }  // namespace
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  profile::Scope scope(profile::Kind::linear);
   check_f32(a_in, "matmul", "left operand");
   check_f32(b_in, "matmul", "right operand");
   DT_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2, "tensor", "matmul: operands need at least 2 dims, got {} and {}",
@@ -147,6 +167,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 }
 
 Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
+  profile::Scope scope(profile::Kind::linear);
   check_f32(x_in, "linear", "input");
   check_f32(weight, "linear", "weight");
   DT_CHECK(weight.dim() == 2, "tensor", "linear: weight must be (out, in), got {}", shape_str(weight.shape()));
@@ -174,7 +195,13 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
     }
     beta = 1.0f;
   }
-  gemm(false, true, m, out_f, in, 1.0f, x.data(), w.data(), beta, po);
+  if (matmul_precision() == Precision::bf16) {
+    x = x.to(DType::bf16);
+    w = w.to(DType::bf16);
+    gemm_bf16_packed(false, true, m, out_f, in, x, w, beta, po);
+  } else {
+    gemm(false, true, m, out_f, in, 1.0f, x.data(), w.data(), beta, po);
+  }
   Shape out_shape = x_in.shape();
   out_shape.back() = out_f;
   out = out.reshape(out_shape);

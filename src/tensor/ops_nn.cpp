@@ -4,7 +4,9 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 #include "dtrain/tensor/random.h"
 
 namespace dtrain::ops {
@@ -17,29 +19,6 @@ void check_input(const Tensor& t, const char* op, const char* what) {
   DT_CHECK(t.dim() >= 1, "tensor", "{}: {} must have at least one dimension", op, what);
 }
 
-// Row-wise softmax (log_space: log-softmax) of contiguous (rows, n) data.
-void softmax_rows(const float* x, float* y, int64_t rows, int64_t n, bool log_space) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* yr = y + r * n;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, xr[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      const float e = std::exp(xr[j] - mx);
-      yr[j] = e;
-      sum += e;
-    }
-    if (log_space) {
-      const float lse = std::log(sum);
-      for (int64_t j = 0; j < n; ++j) yr[j] = xr[j] - mx - lse;
-    } else {
-      const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < n; ++j) yr[j] *= inv;
-    }
-  }
-}
-
 struct SoftmaxBackward : Node {
   Tensor y;  // output
   bool log_space;
@@ -48,36 +27,22 @@ struct SoftmaxBackward : Node {
     Tensor out = Tensor::empty(y.shape());
     const int64_t n = y.size(-1);
     const int64_t rows = n == 0 ? 0 : y.numel() / n;
-    const float* py = y.data();
-    const float* pg = g.data();
-    float* po = out.data();
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* yr = py + r * n;
-      const float* gr = pg + r * n;
-      float* orow = po + r * n;
-      if (log_space) {  // dx = g - softmax * sum(g)
-        float s = 0.0f;
-        for (int64_t j = 0; j < n; ++j) s += gr[j];
-        for (int64_t j = 0; j < n; ++j) orow[j] = gr[j] - std::exp(yr[j]) * s;
-      } else {  // dx = y * (g - sum(g * y))
-        float s = 0.0f;
-        for (int64_t j = 0; j < n; ++j) s += gr[j] * yr[j];
-        for (int64_t j = 0; j < n; ++j) orow[j] = yr[j] * (gr[j] - s);
-      }
-    }
+    kernels::table().softmax_backward(y.data(), g.data(), out.data(), rows, n, log_space);
     return {out};
   }
   void release() override { y = Tensor(); }
   const char* name() const override { return log_space ? "log_softmax" : "softmax"; }
+  profile::Kind profile_kind() const override { return profile::Kind::softmax; }
 };
 
 Tensor softmax_impl(const Tensor& a, bool log_space) {
+  profile::Scope scope(profile::Kind::softmax);
   const char* op = log_space ? "log_softmax" : "softmax";
   check_input(a, op, "input");
   Tensor x = a.detach().contiguous();
   Tensor out = Tensor::empty(a.shape());
   const int64_t n = a.size(-1);
-  softmax_rows(x.data(), out.data(), n == 0 ? 0 : a.numel() / n, n, log_space);
+  kernels::table().softmax_forward(x.data(), out.data(), n == 0 ? 0 : a.numel() / n, n, log_space);
   if (autograd::needs_grad({&a})) {
     auto node = std::make_shared<SoftmaxBackward>();
     node->y = out.detach();
@@ -95,14 +60,12 @@ struct CrossEntropyBackward : Node {
     const int64_t c = probs.size(1);
     const float scale = g.item() / static_cast<float>(n);
     Tensor out = Tensor::empty(probs.shape());
-    const float* pp = probs.data();
-    float* po = out.data();
-    for (int64_t i = 0; i < n * c; ++i) po[i] = pp[i] * scale;
-    for (int64_t r = 0; r < n; ++r) po[r * c + targets[static_cast<size_t>(r)]] -= scale;
+    kernels::table().cross_entropy_backward(probs.data(), targets.data(), scale, out.data(), n, c);
     return {out};
   }
   void release() override { probs = Tensor(); }
   const char* name() const override { return "cross_entropy"; }
+  profile::Kind profile_kind() const override { return profile::Kind::cross_entropy; }
 };
 
 struct LayerNormBackward : Node {
@@ -115,41 +78,13 @@ struct LayerNormBackward : Node {
     Tensor gx = Tensor::empty({rows, c});
     Tensor gw = Tensor::zeros({c});
     Tensor gb = Tensor::zeros({c});
-    const float* px = x.data();
-    const float* pw = w.data();
-    const float* pg = g.data();
-    const float* pm = mean.data();
-    const float* ps = rstd.data();
-    float* pgx = gx.data();
-    float* pgw = gw.data();
-    float* pgb = gb.data();
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = px + r * c;
-      const float* gr = pg + r * c;
-      const float mu = pm[r];
-      const float rs = ps[r];
-      // dxhat = g * w; dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-      float sum_dxhat = 0.0f;
-      float sum_dxhat_xhat = 0.0f;
-      for (int64_t j = 0; j < c; ++j) {
-        const float xhat = (xr[j] - mu) * rs;
-        const float dxhat = gr[j] * pw[j];
-        sum_dxhat += dxhat;
-        sum_dxhat_xhat += dxhat * xhat;
-        pgw[j] += gr[j] * xhat;
-        pgb[j] += gr[j];
-      }
-      const float inv_c = 1.0f / static_cast<float>(c);
-      float* gxr = pgx + r * c;
-      for (int64_t j = 0; j < c; ++j) {
-        const float xhat = (xr[j] - mu) * rs;
-        gxr[j] = rs * (gr[j] * pw[j] - sum_dxhat * inv_c - xhat * sum_dxhat_xhat * inv_c);
-      }
-    }
+    kernels::table().layer_norm_backward(x.data(), w.data(), g.data(), mean.data(), rstd.data(), gx.data(), gw.data(),
+                                         gb.data(), rows, c);
     return {gx.reshape(x_shape), gw, gb};
   }
   void release() override { x = w = mean = rstd = Tensor(); }
   const char* name() const override { return "layer_norm"; }
+  profile::Kind profile_kind() const override { return profile::Kind::layer_norm; }
 };
 
 struct EmbeddingBackward : Node {
@@ -169,6 +104,7 @@ struct EmbeddingBackward : Node {
   }
   void release() override { ids.clear(); }
   const char* name() const override { return "embedding"; }
+  profile::Kind profile_kind() const override { return profile::Kind::embedding; }
 };
 
 struct DropoutBackward : Node {
@@ -176,6 +112,7 @@ struct DropoutBackward : Node {
   std::vector<Tensor> apply(const Tensor& g) override { return {mul(g, mask)}; }
   void release() override { mask = Tensor(); }
   const char* name() const override { return "dropout"; }
+  profile::Kind profile_kind() const override { return profile::Kind::dropout; }
 };
 
 // Integer ids stored as f32; every id must be a whole number in [0, limit).
@@ -201,6 +138,7 @@ Tensor softmax(const Tensor& a) { return softmax_impl(a, false); }
 Tensor log_softmax(const Tensor& a) { return softmax_impl(a, true); }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
+  profile::Scope scope(profile::Kind::cross_entropy);
   check_input(logits, "cross_entropy", "logits");
   DT_CHECK(logits.dim() == 2, "tensor", "cross_entropy: logits must be (N, C), got {}", shape_str(logits.shape()));
   const int64_t n = logits.size(0);
@@ -212,23 +150,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
   std::vector<int32_t> t = read_ids(targets, c, "cross_entropy");
   Tensor x = logits.detach().contiguous();
   Tensor probs = Tensor::empty({n, c});
-  const float* px = x.data();
-  float* pp = probs.data();
-  double loss = 0.0;
-  for (int64_t r = 0; r < n; ++r) {
-    const float* xr = px + r * c;
-    float* pr = pp + r * c;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < c; ++j) mx = std::max(mx, xr[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < c; ++j) {
-      pr[j] = std::exp(xr[j] - mx);
-      sum += pr[j];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < c; ++j) pr[j] *= inv;
-    loss += static_cast<double>(std::log(sum) + mx - xr[t[static_cast<size_t>(r)]]);
-  }
+  const double loss = kernels::table().cross_entropy_forward(x.data(), t.data(), probs.data(), n, c);
   Tensor out = Tensor::scalar(static_cast<float>(loss / static_cast<double>(n)));
   if (autograd::needs_grad({&logits})) {
     auto node = std::make_shared<CrossEntropyBackward>();
@@ -240,6 +162,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
 }
 
 Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, float eps) {
+  profile::Scope scope(profile::Kind::layer_norm);
   check_input(x_in, "layer_norm", "input");
   check_input(weight, "layer_norm", "weight");
   check_input(bias, "layer_norm", "bias");
@@ -254,24 +177,8 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, 
   Tensor out = Tensor::empty(x_in.shape());
   Tensor mean_t = Tensor::empty({rows});
   Tensor rstd_t = Tensor::empty({rows});
-  const float* px = x.data();
-  const float* pw = w.data();
-  const float* pb = b.data();
-  float* po = out.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = px + r * c;
-    float mu = 0.0f;
-    for (int64_t j = 0; j < c; ++j) mu += xr[j];
-    mu /= static_cast<float>(c);
-    float var = 0.0f;
-    for (int64_t j = 0; j < c; ++j) var += (xr[j] - mu) * (xr[j] - mu);
-    var /= static_cast<float>(c);
-    const float rs = 1.0f / std::sqrt(var + eps);
-    float* orow = po + r * c;
-    for (int64_t j = 0; j < c; ++j) orow[j] = (xr[j] - mu) * rs * pw[j] + pb[j];
-    mean_t.data()[r] = mu;
-    rstd_t.data()[r] = rs;
-  }
+  kernels::table().layer_norm_forward(x.data(), w.data(), b.data(), out.data(), mean_t.data(), rstd_t.data(), rows, c,
+                                      eps);
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     auto node = std::make_shared<LayerNormBackward>();
     node->x = x;
@@ -285,6 +192,7 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, 
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& ids) {
+  profile::Scope scope(profile::Kind::embedding);
   check_input(weight, "embedding", "weight");
   DT_CHECK(weight.dim() == 2, "tensor", "embedding: weight must be (V, C), got {}", shape_str(weight.shape()));
   const int64_t vocab = weight.size(0);
@@ -310,6 +218,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
 }
 
 Tensor dropout(const Tensor& a, float p, bool training, Generator& gen) {
+  profile::Scope scope(profile::Kind::dropout);
   check_input(a, "dropout", "input");
   DT_CHECK(p >= 0.0f && p < 1.0f, "tensor", "dropout: probability {} not in [0, 1)", p);
   if (!training || p == 0.0f) return a;

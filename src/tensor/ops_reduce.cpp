@@ -3,7 +3,9 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/profile.h"
 #include "strided.h"
 
 namespace dtrain::ops {
@@ -48,6 +50,15 @@ Tensor sum_kernel(const Tensor& a, const std::vector<bool>& mask) {
     }
     return out;
   }
+  // Leading dimensions summed (a gradient broadcast over them, e.g. positions over the batch):
+  // rows added element by element in order, as below, but vectorised.
+  const size_t lead = static_cast<size_t>(std::find(mask.begin(), mask.end(), false) - mask.begin());
+  if (a.is_contiguous() && lead > 0 && lead < mask.size() &&
+      std::none_of(mask.begin() + lead, mask.end(), [](bool m) { return m; })) {
+    const int64_t n = out.numel();
+    if (n > 0) kernels::table().sum_rows(p, o, a.numel() / n, n);
+    return out;
+  }
   Shape out_strides = out.strides();
   for (size_t i = 0; i < mask.size(); ++i) {
     if (mask[i]) out_strides[i] = 0;
@@ -82,6 +93,7 @@ struct SumBackward : Node {
 };
 
 Tensor reduce(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim, bool is_mean) {
+  profile::Scope scope(profile::Kind::elementwise);
   const char* op = is_mean ? "mean" : "sum";
   DT_CHECK(a.defined(), "tensor", "{}: undefined input", op);
   DT_CHECK(a.dtype() == DType::f32, "tensor", "{}: input {} is {}, expected f32", op, shape_str(a.shape()),

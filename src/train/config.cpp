@@ -26,6 +26,7 @@ struct OptionSpec {
   const char* name;  // flag without dashes; the TOML key uses the same name with '_' for '-'
   Target target;
   const char* help;
+  bool bare = false;  // a bool that may be given without a value (--profile, = --profile=true)
 };
 
 std::vector<OptionSpec> option_table(TrainConfig& c) {
@@ -95,11 +96,20 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"trace", &c.trace, "write a Chrome/Perfetto trace (JSON) of forward, backward, communication, optimizer"},
       {"seed", &c.seed, "random seed (initialisation, shuffling, dropout)"},
       {"threads", &c.threads, "BLAS threads per process"},
+      {"precision", &c.precision,
+       "matrix products: f32 | bf16 (operands rounded to bf16, sums in f32, on AMX or AVX512_BF16 through oneDNN; "
+       "weights, gradients and optimizer state stay f32; a CPU without bf16 instructions runs the same arithmetic "
+       "on f32 units and says so)"},
       {"log-every", &c.log_every, "steps between log lines and metrics records"},
       {"eval-batches", &c.eval_batches, "text: validation batches to evaluate (0 = the whole split)"},
       {"metrics", &c.metrics, "write JSON-lines metrics to this file"},
       {"save", &c.save, "save the trained model to this file"},
       {"progress", &c.progress, "progress bar on a terminal (--progress=false for plain log lines)"},
+      {"profile", &c.profile,
+       "time per op kind (matmul, layer norm, GELU, softmax, attention, cross-entropy, embedding, optimizer, "
+       "gradient accumulation and zeroing, bucket copies, communication wait), printed at the end of the run and "
+       "added to the final metrics record",
+       true},
   };
 }
 
@@ -258,7 +268,9 @@ void add_train_options(CLI::App& app, TrainConfig& cfg) {
                       ->delimiter(',')
                       ->expected(1, 64)
                       ->transform(integer_flag<int64_t>());
-          } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+          } else if constexpr (std::is_same_v<T, bool>) {
+            opt = spec.bare ? app.add_flag(flag, *p, spec.help) : app.add_option(flag, *p, spec.help);
+          } else if constexpr (std::is_integral_v<T>) {
             opt = app.add_option(flag, *p, spec.help)->transform(integer_flag<T>());
           } else {
             opt = app.add_option(flag, *p, spec.help);
@@ -323,6 +335,8 @@ void finalize(TrainConfig& c) {
   DT_CHECK(!(!gpt && c.data.rfind("text:", 0) == 0), "config", "--model mlp trains on fashion-mnist, got '{}'", c.data);
   DT_CHECK(c.optimizer == "sgd" || c.optimizer == "adamw", "config", "--optimizer '{}': expected sgd or adamw",
            c.optimizer);
+  DT_CHECK(c.precision == "f32" || c.precision == "bf16", "config", "--precision '{}': expected f32 or bf16",
+           c.precision);
   DT_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "config",
            "--lr-schedule '{}': expected constant or cosine", c.lr_schedule);
   DT_CHECK(c.batch_size > 0, "config", "--batch-size must be positive, got {}", c.batch_size);

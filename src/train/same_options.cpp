@@ -56,6 +56,7 @@ nlohmann::json run_options(const TrainConfig& c) {
                         {"backend", c.backend},
                         {"heartbeat-timeout", c.heartbeat_timeout},
                         {"seed", c.seed},
+                        {"precision", c.precision},
                         {"eval-batches", c.eval_batches}};
 }
 

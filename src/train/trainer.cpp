@@ -7,9 +7,12 @@
 
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <limits>
 #include <map>
@@ -31,7 +34,10 @@
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/peak.h"
+#include "dtrain/tensor/profile.h"
 #include "dtrain/train/metrics.h"
 #include "run_record.h"
 #include "same_options.h"
@@ -145,6 +151,14 @@ StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
   return e;
 }
 
+// CPU time of this process (all threads): with the train time, how much of the cores a run had
+// on a shared machine.
+double process_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
 
 // Point-to-point tags on the world group at the end of a run (9: the trace, trace.cpp).
@@ -247,9 +261,11 @@ class Trainer {
   std::vector<nn::NamedTensor> whole_model();
   void evaluate_run();
   void add_rank_figures(nlohmann::json& record);
+  void add_profile(nlohmann::json& record) const;
 
   // join_mesh
   TrainConfig cfg_;
+  Precision precision_ = Precision::f32;
   Clock::time_point origin_;
   int world_ = 1;
   std::unique_ptr<comm::Group> group_;
@@ -290,6 +306,7 @@ class Trainer {
   // train_step
   TrainResult result_;
   double train_time_ = 0.0, compute_time_ = 0.0, comm_time_ = 0.0, wait_time_ = 0.0;
+  double train_cpu_ = 0.0;                   // CPU time of this process over the steps (all its threads)
   uint64_t wire_bytes_ = 0, raw_bytes_ = 0;  // gradient bytes this rank sent, and what f32 would have sent
   double interval_loss_ = 0.0;
   int64_t interval_steps_ = 0;
@@ -300,6 +317,8 @@ class Trainer {
 
 Trainer::Trainer(const TrainConfig& cfg) : cfg_(cfg) {
   set_num_threads(cfg_.threads);
+  precision_ = cfg_.precision == "bf16" ? Precision::bf16 : Precision::f32;
+  set_matmul_precision(precision_);
   origin_ = Clock::now();
   world_ = world_size(cfg_);
 }
@@ -499,6 +518,10 @@ void Trainer::plan_steps() {
   progress_.emplace(total_steps_, cfg_.log_every, cfg_.progress && lead_);
   trace_.emplace(!cfg_.trace.empty(), rank_, origin_);
   if (start_step_ == total_steps_) result_.final_loss = std::numeric_limits<double>::quiet_NaN();
+  if (cfg_.profile) {
+    profile::reset();
+    profile::set_enabled(true);
+  }
 }
 
 // The run's first log line: model, data, steps and layout.
@@ -533,6 +556,7 @@ void Trainer::train_step(int64_t step) {
     epoch_indices_ = sampler_->indices(epoch_);
   }
   const auto t0 = Clock::now();
+  const double cpu0 = process_cpu_s();
   // Masks per (step, replica): the same on a resumed run, different between replicas.
   nn::reseed_dropout(*model_, (static_cast<uint64_t>(step) << 20) ^ static_cast<uint64_t>(coord_.dp));
   optimizer_->set_lr(sched_.at(step));
@@ -541,23 +565,34 @@ void Trainer::train_step(int64_t step) {
   step_loss /= static_cast<double>(micro_steps_);
   launch::inject_faults(faults_, step + 1, launch::FaultPhase::allreduce);
   const auto ts = Clock::now();
-  synchronize(step);
+  {
+    profile::Scope scope(profile::Kind::comm_wait);
+    synchronize(step);
+  }
   const auto to = Clock::now();
   wait_time_ += seconds_since(ts, to);
-  clip_gradients();
-  comm::note_progress("the optimizer step", step + 1);
-  optimizer_->step();
-  if (ddp_) {
-    ddp_->gather_parameters();
-    ddp_->zero_grad();
+  {
+    profile::Scope scope(profile::Kind::optimizer);
+    clip_gradients();
+    comm::note_progress("the optimizer step", step + 1);
+    optimizer_->step();
   }
-  optimizer_->zero_grad();
+  if (ddp_) {
+    profile::Scope scope(profile::Kind::comm_wait);
+    ddp_->gather_parameters();
+  }
+  {
+    profile::Scope scope(profile::Kind::grad_zero);
+    if (ddp_) ddp_->zero_grad();
+    optimizer_->zero_grad();
+  }
   const auto t1 = Clock::now();
   save_checkpoint(step, t1);
   if (ddp_) trace_->span("synchronize", -1, 0, ts, to, step + 1);
   trace_->span("optimizer", -1, 0, to, t1, step + 1);
   trace_->span("step", -1, 0, t0, t1, step + 1);
   train_time_ += seconds_since(t0, t1);
+  train_cpu_ += process_cpu_s() - cpu0;
   DT_CHECK(std::isfinite(step_loss), "train", "loss is {} at step {} (lr {}): training diverged", step_loss, step + 1,
            optimizer_->lr());
   log_step(step, step_loss);
@@ -579,6 +614,7 @@ double Trainer::pipeline_round(int64_t step, int64_t a) {
   const double loss = pipe_->train_step(
       [&](int m) {
         comm::note_progress("reading a batch", step + 1);
+        profile::Scope scope(profile::Kind::data);
         data::Batch b = micro_batch(step, a * M_ + m);
         return std::make_pair(b.x, b.y);
       },
@@ -610,7 +646,11 @@ double Trainer::micro_step(int64_t step, int64_t a) {
   const bool sync = a == cfg_.accumulate - 1;
   const auto tm = Clock::now();
   comm::note_progress("reading a batch", step + 1);
-  data::Batch b = micro_batch(step, a);
+  data::Batch b;
+  {
+    profile::Scope scope(profile::Kind::data);
+    b = micro_batch(step, a);
+  }
   if (ddp_) ddp_->set_sync(sync);
   comm::note_progress("forward", step + 1);
   Tensor loss = model_->loss(model_->forward(b.x), b.y);
@@ -739,6 +779,7 @@ void Trainer::log_step(int64_t step, double step_loss) {
 // The last checkpoint committed, the trace written, the replicas checked, the whole model's
 // digest, evaluation, the final metrics record and --save.
 TrainResult Trainer::finish() {
+  profile::set_enabled(false);
   if (lead_) progress_->finish();
   comm::note_progress("committing the last checkpoint", total_steps_);
   if (ckpt_) ckpt_->finish();  // commits a checkpoint still being written in the background
@@ -749,6 +790,7 @@ TrainResult Trainer::finish() {
     add_data_parallel_figures(record);
   }
   record["compute_s"] = compute_time_;
+  if (cfg_.profile) add_profile(record);
   // The whole model on rank 0, in the single-process order and names: digest and --save.
   const std::vector<nn::NamedTensor> full = whole_model();
   if (lead_) {
@@ -785,7 +827,17 @@ nlohmann::json Trainer::final_record() {
   result_.tokens_per_s = result_.samples_per_s * static_cast<double>(src_.tokens_per_sample);
   // The whole model's FLOPs (a stage knows its model's full configuration).
   result_.model_flops_per_s = 3.0 * model_->flops_per_sample() * (text_ ? result_.tokens_per_s : result_.samples_per_s);
-  return nlohmann::json{{"event", "final"},
+  // MFU against the core's measured peak: every process's --threads threads at the rate of the
+  // widest FMA unit present (tensor/peak.h), not against a gemm library's own speed; with bf16
+  // products, the bf16 rate where the CPU has a bf16 unit.
+  Precision peak_precision = precision_;
+  if (peak_precision == Precision::bf16 && measured_peak_flops(cfg_.threads, Precision::bf16) <= 0) {
+    peak_precision = Precision::f32;
+  }
+  const double peak = measured_peak_flops(cfg_.threads, peak_precision);
+  result_.peak_flops = peak * world_;
+  result_.mfu = result_.peak_flops > 0 ? result_.model_flops_per_s / result_.peak_flops : 0.0;
+  nlohmann::json record{{"event", "final"},
                         {"model", cfg_.model},
                         {"steps", result_.steps},
                         {"epochs", result_.epochs_started},
@@ -797,8 +849,16 @@ nlohmann::json Trainer::final_record() {
                         {"accumulate", cfg_.accumulate},
                         {"train_loss", result_.final_loss},
                         {"train_time_s", result_.train_time_s},
+                        {"train_cpu_s", train_cpu_},
                         {"samples_per_s", result_.samples_per_s},
-                        {"model_flops_per_s", result_.model_flops_per_s}};
+                        {"model_flops_per_s", result_.model_flops_per_s},
+                        {"peak_flops_per_rank", peak},
+                        {"precision", cfg_.precision},
+                        {"peak_isa", peak_probe_isa(peak_precision)},
+                        {"mfu", result_.mfu},
+                        {"gemm", gemm_backend_name(gemm_backend())}};
+  if (precision_ == Precision::bf16) record["bf16_route"] = bf16_products_route();
+  return record;
 }
 
 // Replicas of one stage and shard must hold identical parameters: that is the contract.
@@ -872,6 +932,44 @@ void Trainer::evaluate_run() {
   } else {
     result_.test_accuracy = eval_value;
   }
+}
+
+// --profile: this rank's time per op kind over the steps it ran (profile.h), into the record,
+// and printed by rank 0, largest first. "other" is the train time no kind was charged with:
+// autograd's engine, allocation, the loop itself.
+void Trainer::add_profile(nlohmann::json& record) const {
+  const std::vector<profile::Entry> entries = profile::snapshot();
+  const double steps = static_cast<double>(std::max<int64_t>(1, total_steps_ - start_step_));
+  double charged = 0.0;
+  nlohmann::json kinds = nlohmann::json::object();
+  for (const profile::Entry& e : entries) {
+    charged += e.total_s();
+    if (e.calls == 0) continue;
+    kinds[profile::kind_name(e.kind)] = {{"forward_s", e.forward_s}, {"backward_s", e.backward_s}, {"calls", e.calls}};
+  }
+  const double other = std::max(0.0, train_time_ - charged);
+  record["profile"] = {{"rank", rank_}, {"train_time_s", train_time_}, {"kinds", kinds}, {"other_s", other}};
+  if (!lead_) return;
+  std::vector<profile::Entry> rows;
+  for (const profile::Entry& e : entries) {
+    if (e.calls > 0) rows.push_back(e);
+  }
+  std::sort(rows.begin(), rows.end(),
+            [](const profile::Entry& a, const profile::Entry& b) { return a.total_s() > b.total_s(); });
+  std::string table = fmt::format(
+      "profile of rank {} over {} steps ({:.3f} s of training, {:.2f} ms per step), exclusive time per op kind:\n"
+      "  {:<16} {:>12} {:>12} {:>12} {:>7} {:>11}\n",
+      rank_, total_steps_ - start_step_, train_time_, 1e3 * train_time_ / steps, "kind", "fwd ms/step", "bwd ms/step",
+      "ms/step", "%", "calls/step");
+  auto pct = [&](double s) { return train_time_ > 0 ? 100.0 * s / train_time_ : 0.0; };
+  for (const profile::Entry& e : rows) {
+    table += fmt::format("  {:<16} {:>12.3f} {:>12.3f} {:>12.3f} {:>6.1f}% {:>11.1f}\n", profile::kind_name(e.kind),
+                         1e3 * e.forward_s / steps, 1e3 * e.backward_s / steps, 1e3 * e.total_s() / steps,
+                         pct(e.total_s()), static_cast<double>(e.calls) / steps);
+  }
+  table += fmt::format("  {:<16} {:>12} {:>12} {:>12.3f} {:>6.1f}%   (autograd engine, allocation, the loop)\n",
+                       "other", "", "", 1e3 * other / steps, pct(other));
+  std::fputs(table.c_str(), stderr);
 }
 
 // Per-rank figures from every rank: everyone's peak RSS, and the stages' bubbles and memory.

@@ -2,9 +2,11 @@
 // GFLOP/s on the shapes dtrain's models run (the MLP 784-1024-1024-10 at batch 64, the GPT at
 // width 128, sequence 128, batch 16: its linears, their gradients and the attention's per-head
 // products with their real strides), on a grid of sizes (M 64..4096, N and K 10..4096, every
-// transpose), and last the old one-line record of the N x N x N product of --size.
+// transpose), and last the old one-line record of the N x N x N product of --size. Beside the f32
+// libraries, the bf16 products of --precision bf16 (gemm.h: bf16 operands, f32 sums; the route
+// they take on this CPU is printed in the header).
 //
-// Per shape the libraries are measured in interleaved rounds (OpenBLAS, oneDNN, OpenBLAS, ...)
+// Per shape the libraries are measured in interleaved rounds (OpenBLAS, oneDNN, bf16, OpenBLAS, ...)
 // and each keeps its best round: the machine's noise only ever slows a round down. Each round is
 // timed both by the wall clock and by the process's CPU time; on one thread the table shows the
 // latter (the rate while the core was ours), the JSON both, and cpu_per_wall their ratio.
@@ -94,6 +96,13 @@ double cpu_s() {
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
+// One way to run a product: an f32 library, or bf16 products (the library is then the fallback's).
+struct Runner {
+  const char* name;
+  GemmBackend library;
+  Precision precision;
+};
+
 struct Operands {
   GemmShape s;
   std::vector<float> a, b, c;
@@ -107,8 +116,9 @@ struct Operands {
     c.assign(static_cast<size_t>(s.m * s.ldc), 0.0f);
   }
   double flops() const { return 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k); }
-  void run(GemmBackend lib) {
-    sgemm_on(lib, s.ta, s.tb, s.m, s.n, s.k, 1.0f, a.data(), s.lda, b.data(), s.ldb, 0.0f, c.data(), s.ldc);
+  void run(const Runner& r) {
+    if (matmul_precision() != r.precision) set_matmul_precision(r.precision);
+    sgemm_on(r.library, s.ta, s.tb, s.m, s.n, s.k, 1.0f, a.data(), s.lda, b.data(), s.ldb, 0.0f, c.data(), s.ldc);
   }
 };
 
@@ -118,13 +128,13 @@ struct Rate {
   double cpu_wall = 0;    // over all rounds
 };
 
-// Interleaved rounds of every library for `seconds` in all; each round runs a library for at
-// least one call and about seconds / (rounds x libraries).
-std::vector<Rate> measure(Operands& o, const std::vector<GemmBackend>& libs, double seconds) {
+// Interleaved rounds of every runner for `seconds` in all; each round runs one for at least one
+// call and about seconds / (rounds x runners). Products run at f32 afterwards.
+std::vector<Rate> measure(Operands& o, const std::vector<Runner>& libs, double seconds) {
   constexpr int kRounds = 3;
   std::vector<Rate> rates(libs.size());
   std::vector<double> cpu(libs.size()), wall(libs.size());
-  for (GemmBackend lib : libs) o.run(lib);  // warm up: kernels generated, caches and pages touched
+  for (const Runner& lib : libs) o.run(lib);  // warm up: kernels generated, caches and pages touched
   const double per_round = seconds / (kRounds * static_cast<double>(libs.size()));
   const double start = now_s();
   for (int round = 0; round < kRounds; ++round) {
@@ -147,6 +157,7 @@ std::vector<Rate> measure(Operands& o, const std::vector<GemmBackend>& libs, dou
     if (now_s() - start > 4 * seconds) break;  // one call outlasts a round: one round is enough
   }
   for (size_t i = 0; i < libs.size(); ++i) rates[i].cpu_wall = wall[i] > 0 ? cpu[i] / wall[i] : 0;
+  set_matmul_precision(Precision::f32);
   return rates;
 }
 
@@ -178,8 +189,10 @@ int run_bench_gemm(const BenchOptions& opts, const GemmBenchOptions& gemm) {
            gemm.shape_seconds);
   set_num_threads(opts.threads);
   NoGradGuard no_grad;
-  std::vector<GemmBackend> libs = {GemmBackend::openblas};
-  if (onednn_available()) libs.push_back(GemmBackend::onednn);
+  std::vector<Runner> libs = {{"openblas", GemmBackend::openblas, Precision::f32}};
+  if (onednn_available()) libs.push_back({"onednn", GemmBackend::onednn, Precision::f32});
+  const size_t bf16 = libs.size();
+  libs.push_back({"bf16", GemmBackend::automatic, Precision::bf16});
   const GemmBackend policy = gemm_backend();
   const double peak_f32 = measured_peak_flops(opts.threads, Precision::f32) / 1e9;
   const double peak_bf16 = measured_peak_flops(opts.threads, Precision::bf16) / 1e9;
@@ -188,12 +201,15 @@ int run_bench_gemm(const BenchOptions& opts, const GemmBenchOptions& gemm) {
               opts.threads, opts.threads == 1 ? "" : "s", gemm_backend_name(policy));
   std::printf("# peak (FMA probe): f32 %.1f GFLOP/s (%s), bf16 %.1f GFLOP/s (%s)\n", peak_f32,
               peak_probe_isa(Precision::f32), peak_bf16, peak_probe_isa(Precision::bf16));
+  std::printf("# bf16 column: %s\n", bf16_products_route().c_str());
   if (gemm.shapes == "models") {
     if (!gemm.json) {
-      std::printf("# GFLOP/s against %s; ratio onednn / openblas; dtrain: the library auto runs the shape on\n",
-                  opts.threads == 1 ? "CPU time (the rate while running)" : "wall time");
-      std::printf("%-22s %2s %5s %5s %5s %9s %9s %7s %8s %6s\n", "shape", "op", "M", "N", "K", "openblas", "onednn",
-                  "ratio", "dtrain", "%peak");
+      std::printf(
+          "# GFLOP/s against %s; ratio onednn / openblas; dtrain: the library the policy runs the shape on; %%peak: "
+          "the faster f32 library against the f32 peak; bf16: --precision bf16's products\n",
+          opts.threads == 1 ? "CPU time (the rate while running)" : "wall time");
+      std::printf("%-22s %2s %5s %5s %5s %9s %9s %7s %8s %6s %9s\n", "shape", "op", "M", "N", "K", "openblas", "onednn",
+                  "ratio", "dtrain", "%peak", "bf16");
     }
     for (const GemmShape& shape : model_shapes()) {
       Operands o(shape);
@@ -202,7 +218,8 @@ int run_bench_gemm(const BenchOptions& opts, const GemmBenchOptions& gemm) {
       // One thread: the rate while it ran (CPU time), blind to time slices given to other
       // processes on a shared machine; more threads: wall time.
       auto shown = [&](const Rate& x) { return opts.threads == 1 ? x.gflops_cpu : x.gflops; };
-      const double best = std::max(shown(r[0]), r.size() > 1 ? shown(r[1]) : 0.0);
+      const bool two = bf16 > 1;  // both f32 libraries
+      const double best = std::max(shown(r[0]), two ? shown(r[1]) : 0.0);
       const std::string op = std::string(shape.ta ? "T" : "N") + (shape.tb ? "T" : "N");
       if (gemm.json) {
         nlohmann::ordered_json j = {{"op", "sgemm_shape"},    {"shape", shape.what}, {"trans", op},
@@ -211,20 +228,22 @@ int run_bench_gemm(const BenchOptions& opts, const GemmBenchOptions& gemm) {
         j["openblas_gflops"] = round2(r[0].gflops);
         j["openblas_gflops_cpu"] = round2(r[0].gflops_cpu);
         j["openblas_cpu_per_wall"] = round2(r[0].cpu_wall);
-        if (r.size() > 1) {
+        if (two) {
           j["onednn_gflops"] = round2(r[1].gflops);
           j["onednn_gflops_cpu"] = round2(r[1].gflops_cpu);
           j["onednn_cpu_per_wall"] = round2(r[1].cpu_wall);
         }
+        j["bf16_gflops"] = round2(r[bf16].gflops);
+        j["bf16_gflops_cpu"] = round2(r[bf16].gflops_cpu);
         j["dtrain_backend"] = gemm_backend_name(used);
         j["peak_f32_gflops"] = round2(peak_f32);
         std::printf("%s\n", j.dump().c_str());
       } else {
-        std::printf("%-22s %2s %5ld %5ld %5ld %9.1f %9s %7s %8s %5.0f%%\n", shape.what, op.c_str(),
+        std::printf("%-22s %2s %5ld %5ld %5ld %9.1f %9s %7s %8s %5.0f%% %9.1f\n", shape.what, op.c_str(),
                     static_cast<long>(shape.m), static_cast<long>(shape.n), static_cast<long>(shape.k), shown(r[0]),
-                    r.size() > 1 ? fmt::format("{:.1f}", shown(r[1])).c_str() : "-",
-                    r.size() > 1 ? fmt::format("{:.2f}", shown(r[1]) / shown(r[0])).c_str() : "-",
-                    gemm_backend_name(used), peak_f32 > 0 ? 100.0 * best / peak_f32 : 0.0);
+                    two ? fmt::format("{:.1f}", shown(r[1])).c_str() : "-",
+                    two ? fmt::format("{:.2f}", shown(r[1]) / shown(r[0])).c_str() : "-", gemm_backend_name(used),
+                    peak_f32 > 0 ? 100.0 * best / peak_f32 : 0.0, shown(r[bf16]));
       }
       std::fflush(stdout);
     }
@@ -255,10 +274,13 @@ int run_bench_gemm(const BenchOptions& opts, const GemmBenchOptions& gemm) {
   j["backend"] = gemm_backend_name(gemm_backend_for(false, false, n, n, n));
   j["openblas_gflops"] = round2(r[0].gflops);
   j["openblas_gflops_cpu"] = round2(r[0].gflops_cpu);
-  if (r.size() > 1) {
+  if (bf16 > 1) {
     j["onednn_gflops"] = round2(r[1].gflops);
     j["onednn_gflops_cpu"] = round2(r[1].gflops_cpu);
   }
+  j["bf16_gflops"] = round2(r[bf16].gflops);
+  j["bf16_gflops_cpu"] = round2(r[bf16].gflops_cpu);
+  j["bf16_native"] = bf16_products_native();
   j["onednn_isa"] = onednn_isa();
   j["peak_f32_gflops"] = round2(peak_f32);
   j["peak_f32_isa"] = peak_probe_isa(Precision::f32);

@@ -302,8 +302,8 @@ void check_plan_options(const PlanOptions& o) {
            "--device-flops, --link-gbps, --memory, --devices, --hosts, --devices-per-host must not be "
            "negative and --intra-gbps must be positive");
   DT_CHECK(o.hosts == 0 || o.devices_per_host == 0, "plan", "give --hosts or --devices-per-host, not both");
-  DT_CHECK(o.precision.empty() || o.precision == "f32" || o.precision == "mixed", "plan",
-           "--precision '{}': expected f32 or mixed", o.precision);
+  DT_CHECK(o.train.precision == "f32" || o.train.precision == "bf16", "plan", "--precision '{}': expected f32 or bf16",
+           o.train.precision);
 }
 
 // The model: dtrain's (checked as dtrain train checks it) or a GPT by parameter count. Fills in
@@ -554,8 +554,6 @@ void add_plan_options(CLI::App& app, PlanOptions& o) {
   app.add_option("--intra-latency-us", o.intra_latency_us, "with --device-flops: latency within a host, us")
       ->capture_default_str();
   app.add_option("--memory", o.memory, "bytes of memory per device (e.g. 80e9); 0: no limit")->capture_default_str();
-  app.add_option("--precision", o.precision,
-                 "f32 | mixed (bf16 with f32 master weights); default f32, mixed with --params");
   app.add_flag("--calibrate", o.calibrate,
                "measure this machine now: kernels of the model, optimizer, alpha/beta of shared memory and TCP");
   app.add_option("--calibration", o.calibration,
@@ -569,6 +567,9 @@ void add_plan_options(CLI::App& app, PlanOptions& o) {
 int run_plan(CLI::App& app, PlanOptions& o, const std::vector<std::string>& argv) {
   train::apply_config_file(app, o.train);
   check_plan_options(o);
+  // dtrain train's --precision: bf16 is planned as mixed precision (bf16 products, activations and
+  // gradients, f32 master weights and moments); not given: f32 for dtrain's models, mixed with --params.
+  if (o.train.given.count("precision") > 0) o.precision = o.train.precision == "bf16" ? "mixed" : "f32";
   const plan::ModelSpec model = plan_model(o);
   train::TrainConfig& cfg = o.train;
   plan::Layout layout = layout_of(cfg);

@@ -29,7 +29,7 @@ struct PlanOptions {
   double intra_gbps = 7200;          // --device-flops: within a host (NVLink-class)
   double intra_latency_us = 3;
   double memory = 0;      // bytes per device; 0: no limit
-  std::string precision;  // f32 | mixed; empty: f32, mixed with --params
+  std::string precision;  // f32 | mixed, from dtrain train's --precision (bf16: mixed); empty: f32, mixed with --params
   bool calibrate = false;
   std::string calibration;  // calibration JSON to read (and, with --calibrate, to write)
   bool json = false;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/tensor/profile.h"
 #include "dtrain/tensor/tensor.h"
 
 namespace dtrain {
@@ -26,6 +27,8 @@ class Node {
   /// inputs that need no gradient).
   virtual std::vector<Tensor> apply(const Tensor& grad_output) = 0;
   virtual const char* name() const = 0;
+  /// What --profile charges this node's backward to (profile.h).
+  virtual profile::Kind profile_kind() const { return profile::Kind::elementwise; }
   /// Frees saved tensors once the node ran (the graph is used once).
   virtual void release() {}
 

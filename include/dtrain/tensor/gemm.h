@@ -2,7 +2,8 @@
 // OpenBLAS or oneDNN.
 //
 // Vocabulary: a *library* is OpenBLAS or oneDNN; the *policy* is a library or `automatic`.
-// The policy comes from DTRAIN_GEMM=onednn|openblas|auto (default openblas for now, see gemm.cpp) at the first product,
+// The policy comes from DTRAIN_GEMM=onednn|openblas|auto (default onednn where the build has it,
+// else openblas; see gemm.cpp) at the first product,
 // or from set_gemm_backend. Under auto each *shape* (trans_a, trans_b, M, N, K, threads) is
 // *calibrated* on its first call: both libraries run it on the call's own operands a few times,
 // interleaved (on one thread timed by the thread's CPU time, which other processes' load does
@@ -22,6 +23,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "dtrain/tensor/peak.h"
 
 namespace dtrain {
 
@@ -76,5 +79,22 @@ std::string gemm_cache_file();
 
 /// The thread count set_num_threads gave both libraries (0: never set, each library's default).
 int gemm_threads();
+
+/// The precision of every product from now on, process-wide (default f32). bf16: both operands
+/// are rounded to bf16 and the products summed in f32 (`--precision bf16`), on oneDNN's matmul
+/// where oneDNN has bf16 instructions on this CPU (AVX512_BF16, AMX); elsewhere the fallback
+/// rounds the operands to bf16 and runs the f32 sgemm (the same arithmetic: a product of two bf16
+/// values is exact in f32). The first switch to bf16 logs the route (bf16_products_route()).
+void set_matmul_precision(Precision precision);
+Precision matmul_precision();
+/// The product --precision bf16 runs, from operands already rounded to bf16 (their bits, laid out
+/// as sgemm's A and B with the same leading dimensions); C in f32 as sgemm's. For ops that use one
+/// operand in several products (linear's input, weight and output gradient), rounded once.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
+               const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
+/// What bf16 products run on here, or what they fall back to and why, for logs and reports.
+std::string bf16_products_route();
+/// Whether bf16 products run on bf16 instructions (false: the fallback).
+bool bf16_products_native();
 
 }  // namespace dtrain

@@ -65,12 +65,14 @@ struct TrainConfig {
   // run
   uint64_t seed = 0;
   int threads = 1;
+  std::string precision = "f32";  // products: f32 | bf16 (bf16 operands, f32 sums; f32 weights and state)
   int64_t log_every = 50;
   int64_t eval_batches = 0;  // text: validation batches (0 = whole validation split)
   std::string metrics;       // JSON-lines file
   std::string save;          // model file
   std::string config_file;
   bool progress = true;  // progress bar when stderr is a terminal
+  bool profile = false;  // time per op kind, printed at the end and in the final record
   /// Names of the options set by a flag or the config file (the rest keep defaults).
   std::set<std::string> given;
 };

@@ -38,6 +38,9 @@ struct TrainResult {
   double test_accuracy = -1;       // classification
   double val_loss = -1;            // text
   double model_flops_per_s = 0.0;  // 3 x forward FLOPs per sample x samples/s
+  /// The job's peak: processes x the measured FMA peak of --threads threads (tensor/peak.h).
+  double peak_flops = 0.0;
+  double mfu = 0.0;  // model_flops_per_s / peak_flops
   int64_t peak_rss = 0;
   std::string params_digest;
 };

@@ -1,0 +1,104 @@
+#!/usr/bin/python3
+"""Two variants of a dtrain run side by side: two binaries, or one binary with two sets of flags or
+environment, alternating in one run, one thread each.
+
+    /usr/bin/python3 bench/ab_compare.py --a BINARY_A --b BINARY_B [--repeats 5] -- train --model gpt --steps 30
+    /usr/bin/python3 bench/ab_compare.py --b-env DTRAIN_GEMM=onednn --repeats 5 -- train --model mlp --steps 300
+
+Each repeat runs A then B (B then A on odd repeats) with the same arguments plus --metrics, and the
+table gives medians [min-max] of the final record's rate (tokens/s or samples/s), of the rate per
+CPU-second of training (train_cpu_s: what a run would reach with the core to itself, the steadier
+figure on a shared machine), the MFU, losses and params digest, and the ratio B/A of medians.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run(binary, args, env_extra, metrics_dir, i):
+    metrics = os.path.join(metrics_dir, f"m{i}.jsonl")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env.update(env_extra)
+    cmd = [binary] + args + ["--progress=false", "--metrics", metrics]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    with open(metrics) as f:
+        rec = [json.loads(line) for line in f if line.strip()][-1]
+    unit = "tokens_per_s" if "tokens_per_s" in rec else "samples_per_s"
+    rate = rec[unit]
+    rec["rate"] = rate
+    rec["rate_per_cpu_s"] = rate * rec["train_time_s"] / rec["train_cpu_s"] if rec.get("train_cpu_s") else None
+    rec["unit"] = unit
+    return rec
+
+
+def fmt(values, digits):
+    v = [x for x in values if x is not None]
+    if not v:
+        return "-", None
+    m = statistics.median(v)
+    return f"{m:.{digits}f} [{min(v):.{digits}f}-{max(v):.{digits}f}]", m
+
+
+def parse_env(items):
+    out = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        out[k] = v
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = os.path.join(ROOT, "build", "release", "dtrain")
+    p.add_argument("--a", default=default, help="binary A")
+    p.add_argument("--b", default=None, help="binary B (default: A)")
+    p.add_argument("--a-args", default="", help="more arguments for A")
+    p.add_argument("--b-args", default="", help="more arguments for B")
+    p.add_argument("--a-env", action="append", default=[], help="VAR=VALUE for A (repeatable)")
+    p.add_argument("--b-env", action="append", default=[], help="VAR=VALUE for B (repeatable)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="write the records as JSON here")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the dtrain arguments of both")
+    a = p.parse_args()
+    args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    variants = {"A": (a.a, args + a.a_args.split(), parse_env(a.a_env)),
+                "B": (a.b or a.a, args + a.b_args.split(), parse_env(a.b_env))}
+    recs = {"A": [], "B": []}
+    with tempfile.TemporaryDirectory() as d:
+        i = 0
+        for r in range(a.repeats):
+            for name in (["A", "B"] if r % 2 == 0 else ["B", "A"]):
+                binary, argv, env = variants[name]
+                recs[name].append(run(binary, argv, env, d, i))
+                i += 1
+    unit = recs["A"][0]["unit"]
+    print(f"A: {variants['A'][0]} {' '.join(variants['A'][1])} {variants['A'][2] or ''}")
+    print(f"B: {variants['B'][0]} {' '.join(variants['B'][1])} {variants['B'][2] or ''}")
+    print(f"{a.repeats} alternating repeats; medians [min-max]")
+    for key, digits in ((("rate", 0), ("rate_per_cpu_s", 0), ("mfu", 4), ("train_loss", 4), ("val_loss", 4),
+                         ("test_accuracy", 4))):
+        sa, ma = fmt([x.get(key) for x in recs["A"]], digits)
+        sb, mb = fmt([x.get(key) for x in recs["B"]], digits)
+        if ma is None and mb is None:
+            continue
+        name = {"rate": unit, "rate_per_cpu_s": unit + " per CPU-s"}.get(key, key)
+        ratio = f"{mb / ma:.3f}" if ma and mb is not None else "-"
+        print(f"  {name:<26} A {sa:<28} B {sb:<28} B/A {ratio}")
+    for name in ("A", "B"):
+        print(f"  params digests {name}: {sorted(set(x.get('params_digest', '?')[:16] for x in recs[name]))}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"variants": {k: [v[0], v[1], v[2]] for k, v in variants.items()}, "runs": recs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+// Products in bf16 with f32 accumulation (gemm.h, Precision::bf16).
+//
+// Both operands are rounded to bf16 (nearest even) into packed scratch buffers, in their stored
+// orientation; the product runs on oneDNN's matmul primitive with bf16 source and weights and an
+// f32 destination, which oneDNN dispatches to AMX tiles or AVX512_BF16 dot products, and alpha and
+// beta become its output scale and sum post-op. A primitive is built once per shape and kept.
+//
+// The *fallback*, where oneDNN has no bf16 instructions to run on (a CPU without AVX512_BF16, or
+// ONEDNN_MAX_CPU_ISA below it, or a build without oneDNN): the operands are rounded to bf16 but
+// kept as f32 values, and the product runs on the f32 sgemm. A product of two bf16 values is
+// exact in f32, so this is the same arithmetic (bf16 products, f32 sums) in another order,
+// rather than a slow emulation of the instructions.
+#include <fmt/format.h>
+
+#if DTRAIN_HAVE_ONEDNN
+#include <omp.h>
+
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "dtrain/core/error.h"
+#include "dtrain/tensor/half.h"
+#include "dtrain/tensor/kernels.h"
+#include "gemm_internal.h"
+
+namespace dtrain::detail {
+
+namespace {
+
+#if DTRAIN_HAVE_ONEDNN
+using dnnl::memory;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// (trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, threads)
+using PrimitiveKey =
+    std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, int>;
+
+struct Primitives {
+  std::mutex mu;
+  std::map<PrimitiveKey, dnnl::matmul> built;
+};
+
+Primitives& primitives() {
+  static Primitives p;
+  return p;
+}
+
+uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+// op(A) (M, K) from A stored (M, K) with row stride lda, or (K, M) when trans_a; likewise op(B)
+// (K, N) from B; C (M, N) with row stride ldc.
+memory::desc operand(int64_t rows, int64_t cols, bool trans, int64_t ld) {
+  return memory::desc({rows, cols}, memory::data_type::bf16, trans ? memory::dims{1, ld} : memory::dims{ld, 1});
+}
+
+memory::desc result(int64_t m, int64_t n, int64_t ldc) {
+  return memory::desc({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
+}
+
+dnnl::matmul::primitive_desc describe(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                                      int64_t ldc, float alpha, float beta) {
+  const memory::desc a = operand(m, k, ta, lda), b = operand(k, n, tb, ldb), c = result(m, n, ldc);
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.0f) {
+    dnnl::post_ops ops;
+    ops.append_sum(beta);
+    attr.set_post_ops(ops);
+  }
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+}
+
+dnnl::matmul& primitive_for(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                            float alpha, float beta, int threads) {
+  Primitives& p = primitives();
+  const PrimitiveKey key{ta, tb, m, n, k, lda, ldb, ldc, bits(alpha), bits(beta), threads};
+  std::lock_guard<std::mutex> lock(p.mu);
+  auto it = p.built.find(key);
+  if (it == p.built.end()) {
+    it = p.built.emplace(key, dnnl::matmul(describe(ta, tb, m, n, k, lda, ldb, ldc, alpha, beta))).first;
+  }
+  return it->second;
+}
+
+// oneDNN runs bf16 matmuls natively from AVX512_BF16 up (AMX included); below that it would
+// emulate them, slower than the fallback.
+bool onednn_has_bf16() {
+  const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+  return isa == dnnl_cpu_isa_avx512_core_bf16 || isa == dnnl_cpu_isa_avx512_core_amx;
+}
+#endif
+
+struct Route {
+  bool native = false;
+  std::string description;
+};
+
+const Route& route() {
+  static const Route r = [] {
+    Route out;
+    std::string why;  // why the fallback
+#if DTRAIN_HAVE_ONEDNN
+    if (onednn_has_bf16()) {
+      try {
+        const std::string impl = describe(false, true, 64, 64, 64, 64, 64, 64, 1.0f, 0.0f).impl_info_str();
+        out.native = impl.rfind("ref", 0) != 0;
+        out.description = fmt::format("bf16 products: oneDNN's matmul ({}, kernel {})", onednn_isa(), impl);
+        why = fmt::format("oneDNN offers only a reference kernel ({})", impl);
+      } catch (const dnnl::error& e) {
+        why = fmt::format("oneDNN ({}) has no bf16 matmul here: {}", onednn_isa(), e.what());
+      }
+    } else {
+      why = fmt::format("this CPU has no bf16 instructions for oneDNN, whose kernels here are {}", onednn_isa());
+    }
+#else
+    why = "this build has no oneDNN";
+#endif
+    if (!out.native) {
+      out.description =
+          "bf16 products: fallback: operands rounded to bf16, products and sums in f32 on sgemm (" + why + ")";
+    }
+    return out;
+  }();
+  return r;
+}
+
+template <typename T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+}  // namespace
+
+bool bf16_products_native() { return route().native; }
+
+const std::string& bf16_products_route() { return route().description; }
+
+void gemm_bf16_operands(GemmBackend f32_library, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                        const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+                        int64_t ldc) {
+  if (!route().native) {  // the fallback: the bf16 values exactly in f32, on the f32 sgemm
+    const int64_t a_rows = ta ? k : m, a_cols = ta ? m : k;
+    const int64_t b_rows = tb ? n : k, b_cols = tb ? k : n;
+    thread_local std::vector<float> a_scratch, b_scratch;
+    float* af = scratch(a_scratch, a_rows * a_cols);
+    float* bf = scratch(b_scratch, b_rows * b_cols);
+    for (int64_t r = 0; r < a_rows; ++r) {
+      for (int64_t j = 0; j < a_cols; ++j) af[r * a_cols + j] = bf16_to_f32(a[r * lda + j]);
+    }
+    for (int64_t r = 0; r < b_rows; ++r) {
+      for (int64_t j = 0; j < b_cols; ++j) bf[r * b_cols + j] = bf16_to_f32(b[r * ldb + j]);
+    }
+    run_f32_library(f32_library, ta, tb, m, n, k, alpha, af, a_cols, bf, b_cols, beta, c, ldc);
+    return;
+  }
+#if DTRAIN_HAVE_ONEDNN
+  // oneDNN's AMX and AVX512_BF16 kernels (brgemm) take dense operands only; with a row stride
+  // above the minimum (a head read in place) it would fall back to a slower gemm with a scalar
+  // epilogue. So strided operands are packed first, and a strided C computed densely and copied.
+  const int64_t a_rows = ta ? k : m, a_cols = ta ? m : k;
+  const int64_t b_rows = tb ? n : k, b_cols = tb ? k : n;
+  thread_local std::vector<uint16_t> a_pack, b_pack;
+  thread_local std::vector<float> c_pack;
+  auto pack = [](const uint16_t* src, int64_t rows, int64_t cols, int64_t ld, std::vector<uint16_t>& into) {
+    uint16_t* dst = scratch(into, rows * cols);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * cols, src + r * ld, static_cast<size_t>(cols) * 2);
+    return dst;
+  };
+  if (lda != a_cols) a = pack(a, a_rows, a_cols, lda, a_pack), lda = a_cols;
+  if (ldb != b_cols) b = pack(b, b_rows, b_cols, ldb, b_pack), ldb = b_cols;
+  float* dense_c = c;
+  if (ldc != n) {
+    dense_c = scratch(c_pack, m * n);
+    if (beta != 0.0f) {
+      for (int64_t r = 0; r < m; ++r) std::memcpy(dense_c + r * n, c + r * ldc, static_cast<size_t>(n) * 4);
+    }
+  }
+  const int threads = apply_omp_threads();
+  dnnl::matmul& prim = primitive_for(ta, tb, m, n, k, lda, ldb, n, alpha, beta, threads);
+  thread_local dnnl::stream stream(cpu_engine());
+  // oneDNN takes the handles as void*; it only reads the operands.
+  auto* av = const_cast<uint16_t*>(a);
+  auto* bv = const_cast<uint16_t*>(b);
+  try {
+    prim.execute(stream, {{DNNL_ARG_SRC, memory(operand(m, k, ta, lda), cpu_engine(), av)},
+                          {DNNL_ARG_WEIGHTS, memory(operand(k, n, tb, ldb), cpu_engine(), bv)},
+                          {DNNL_ARG_DST, memory(result(m, n, n), cpu_engine(), dense_c)}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    DT_THROW("tensor", "bf16 product on oneDNN failed on M {} N {} K {} trans {}{}: {}", m, n, k, ta ? 'T' : 'N',
+             tb ? 'T' : 'N', e.what());
+  }
+  if (dense_c != c) {
+    for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, dense_c + r * n, static_cast<size_t>(n) * 4);
+  }
+#endif
+}
+
+void sgemm_bf16(GemmBackend f32_library, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  // Operands in their stored orientation: A (M, K) or (K, M), B (K, N) or (N, K), packed here.
+  const int64_t a_rows = ta ? k : m, a_cols = ta ? m : k;
+  const int64_t b_rows = tb ? n : k, b_cols = tb ? k : n;
+  if (!route().native) {
+    thread_local std::vector<float> a_scratch, b_scratch;
+    float* ar = scratch(a_scratch, a_rows * a_cols);
+    float* br = scratch(b_scratch, b_rows * b_cols);
+    kernels::table().round_to_bf16_values(a, a_rows, a_cols, lda, ar);
+    kernels::table().round_to_bf16_values(b, b_rows, b_cols, ldb, br);
+    run_f32_library(f32_library, ta, tb, m, n, k, alpha, ar, a_cols, br, b_cols, beta, c, ldc);
+    return;
+  }
+  thread_local std::vector<uint16_t> a_scratch, b_scratch;
+  uint16_t* ah = scratch(a_scratch, a_rows * a_cols);
+  uint16_t* bh = scratch(b_scratch, b_rows * b_cols);
+  kernels::table().round_to_bf16(a, a_rows, a_cols, lda, ah);
+  kernels::table().round_to_bf16(b, b_rows, b_cols, ldb, bh);
+  gemm_bf16_operands(f32_library, ta, tb, m, n, k, alpha, ah, a_cols, bh, b_cols, beta, c, ldc);
+}
+
+}  // namespace dtrain::detail

@@ -1,0 +1,76 @@
+// Picks the kernels' instruction set once (kernels.h): the widest this CPU runs, capped by
+// DTRAIN_KERNELS_ISA or ONEDNN_MAX_CPU_ISA.
+#include "dtrain/tensor/kernels.h"
+
+#include <cctype>
+#include <cstdlib>
+#include <string>
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::kernels {
+
+namespace avx512 {
+const Table& make_table(const char* isa);
+}
+namespace avx2 {
+const Table& make_table(const char* isa);
+}
+namespace build {
+const Table& make_table(const char* isa);
+}
+
+namespace {
+
+enum class Cap { none, avx2, build };
+
+// The cap a variable names: oneDNN's spelling (AVX2, AVX2_VNNI, AVX512_CORE..., ALL, SSE41, AVX)
+// or dtrain's (avx512, avx2, build), in any case.
+Cap cap_from(const char* name, const char* value) {
+  std::string v = value;
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (v.empty() || v == "all" || v.rfind("avx512", 0) == 0) return Cap::none;
+  if (v.rfind("avx2", 0) == 0) return Cap::avx2;
+  if (v == "build" || v == "sse41" || v == "avx" || v == "default") return Cap::build;
+  DT_THROW("tensor", "{}={}: expected avx512, avx2 or build (or oneDNN's ISA names)", name, value);
+}
+
+const Table& choose() {
+  Cap cap = Cap::none;
+  if (const char* v = std::getenv("DTRAIN_KERNELS_ISA"); v != nullptr) {
+    cap = cap_from("DTRAIN_KERNELS_ISA", v);
+  } else if (const char* o = std::getenv("ONEDNN_MAX_CPU_ISA"); o != nullptr) {
+    cap = cap_from("ONEDNN_MAX_CPU_ISA", o);
+  }
+  if (cap == Cap::none) {
+    if (const Table* t = table_for("avx512")) return *t;
+  }
+  if (cap != Cap::build) {
+    if (const Table* t = table_for("avx2")) return *t;
+  }
+  return *table_for("build");
+}
+
+}  // namespace
+
+const Table& table() {
+  static const Table& t = choose();
+  return t;
+}
+
+const Table* table_for(std::string_view isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (isa == "avx512") {
+    const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    return ok ? &avx512::make_table("avx512") : nullptr;
+  }
+  if (isa == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &avx2::make_table("avx2") : nullptr;
+  }
+#endif
+  return isa == "build" ? &build::make_table("build") : nullptr;
+}
+
+}  // namespace dtrain::kernels

@@ -1,0 +1,9 @@
+// The kernels of dtrain/tensor/kernels.h compiled for AVX2 and FMA, without AVX-512; CMakeLists.txt gives
+// this file its instruction-set flags.
+#include <cstdint>
+
+#include "dtrain/tensor/kernels.h"
+
+namespace dtrain::kernels::avx2 {
+#include "kernels_impl.h"
+}  // namespace dtrain::kernels::avx2

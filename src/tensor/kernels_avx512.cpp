@@ -1,0 +1,9 @@
+// The kernels of dtrain/tensor/kernels.h compiled for AVX-512 (F, BW, DQ, VL) with 512-bit vectors; CMakeLists.txt
+// gives this file its instruction-set flags.
+#include <cstdint>
+
+#include "dtrain/tensor/kernels.h"
+
+namespace dtrain::kernels::avx512 {
+#include "kernels_impl.h"
+}  // namespace dtrain::kernels::avx512

@@ -1,0 +1,9 @@
+// The kernels of dtrain/tensor/kernels.h compiled for the build's own flags (the CPUs with neither); CMakeLists.txt
+// gives this file its instruction-set flags.
+#include <cstdint>
+
+#include "dtrain/tensor/kernels.h"
+
+namespace dtrain::kernels::build {
+#include "kernels_impl.h"
+}  // namespace dtrain::kernels::build

@@ -1,0 +1,295 @@
+// The kernels of dtrain/tensor/kernels.h, written once and compiled once per instruction set:
+// each kernels_<isa>.cpp includes this file inside its own namespace with its own compiler flags.
+//
+// Loops over a row are `omp simd` (-fopenmp-simd: vectorisation only, no OpenMP runtime), sums
+// included: a row's sum is kept in vector lanes and added up at the end, which is what makes them
+// fast, and why their last bits depend on the vector width. Everything here has internal linkage
+// and calls no inline function from another header: an out-of-line copy of such a function,
+// compiled with AVX-512 in one file, could be the one the linker keeps for all of them.
+//
+// Not a header to include anywhere else (no include guard on purpose).
+
+namespace {
+
+inline float clampf(float x, float lo, float hi) {
+  x = x < lo ? lo : x;
+  return x > hi ? hi : x;
+}
+
+// exp: Cephes' polynomial with Cody-Waite range reduction, ~1 ulp on [-87, 88] (fast_math.h).
+inline float exp_v(float x) {
+  x = clampf(x, -87.0f, 88.0f);
+  const float n = __builtin_nearbyintf(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float tanh_v(float x) {
+  const float t = 1.0f - 2.0f / (exp_v(2.0f * __builtin_fabsf(x)) + 1.0f);
+  return __builtin_copysignf(t, x);
+}
+
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+
+inline uint16_t bf16_of(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;  // quiet NaN, sign and payload kept
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+inline float f32_of_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+float row_max(const float* x, int64_t n) {
+  float mx = -__builtin_inff();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
+}
+
+// y = exp(x - mx); returns the sum of y.
+float exp_shifted(const float* x, float* y, int64_t n, float mx) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = exp_v(x[j] - mx);
+    y[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+void scale_row(float* y, int64_t n, float s) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) y[j] *= s;
+}
+
+void layer_norm_forward(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
+                        int64_t rows, int64_t c, float eps) {
+  const float inv_c = 1.0f / static_cast<float>(c);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict xr = x + r * c;
+    float* __restrict yr = y + r * c;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < c; ++j) s += xr[j];
+    const float mu = s * inv_c;
+    float v = 0.0f;
+#pragma omp simd reduction(+ : v)
+    for (int64_t j = 0; j < c; ++j) v += (xr[j] - mu) * (xr[j] - mu);
+    const float rs = 1.0f / __builtin_sqrtf(v * inv_c + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < c; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+}
+
+// dxhat = g * w; dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
+void layer_norm_backward(const float* x, const float* w, const float* g, const float* mean, const float* rstd,
+                         float* gx, float* gw, float* gb, int64_t rows, int64_t c) {
+  const float inv_c = 1.0f / static_cast<float>(c);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict xr = x + r * c;
+    const float* __restrict gr = g + r * c;
+    float* __restrict gxr = gx + r * c;
+    const float mu = mean[r], rs = rstd[r];
+    float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+#pragma omp simd reduction(+ : sum_dxhat, sum_dxhat_xhat)
+    for (int64_t j = 0; j < c; ++j) {
+      const float xhat = (xr[j] - mu) * rs;
+      const float dxhat = gr[j] * w[j];
+      sum_dxhat += dxhat;
+      sum_dxhat_xhat += dxhat * xhat;
+      gw[j] += gr[j] * xhat;
+      gb[j] += gr[j];
+    }
+    const float a = sum_dxhat * inv_c, bb = sum_dxhat_xhat * inv_c;
+#pragma omp simd
+    for (int64_t j = 0; j < c; ++j) {
+      const float xhat = (xr[j] - mu) * rs;
+      gxr[j] = rs * (gr[j] * w[j] - a - xhat * bb);
+    }
+  }
+}
+
+void softmax_forward(const float* x, float* y, int64_t rows, int64_t n, bool log_space) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    const float mx = row_max(xr, n);
+    const float sum = exp_shifted(xr, yr, n, mx);
+    if (log_space) {
+      const float shift = mx + __builtin_logf(sum);
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] = xr[j] - shift;
+    } else {
+      scale_row(yr, n, 1.0f / sum);
+    }
+  }
+}
+
+void softmax_backward(const float* y, const float* g, float* gx, int64_t rows, int64_t n, bool log_space) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict yr = y + r * n;
+    const float* __restrict gr = g + r * n;
+    float* __restrict o = gx + r * n;
+    float s = 0.0f;
+    if (log_space) {  // dx = g - softmax * sum(g)
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < n; ++j) s += gr[j];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) o[j] = gr[j] - exp_v(yr[j]) * s;
+    } else {  // dx = y * (g - sum(g * y))
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < n; ++j) s += gr[j] * yr[j];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) o[j] = yr[j] * (gr[j] - s);
+    }
+  }
+}
+
+double cross_entropy_forward(const float* x, const int32_t* targets, float* probs, int64_t n, int64_t c) {
+  double loss = 0.0;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* xr = x + r * c;
+    float* pr = probs + r * c;
+    const float mx = row_max(xr, c);
+    const float sum = exp_shifted(xr, pr, c, mx);
+    scale_row(pr, c, 1.0f / sum);
+    loss += static_cast<double>(__builtin_logf(sum) + mx - xr[targets[r]]);
+  }
+  return loss;
+}
+
+void cross_entropy_backward(const float* probs, const int32_t* targets, float scale, float* gx, int64_t n, int64_t c) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* __restrict pr = probs + r * c;
+    float* __restrict o = gx + r * c;
+#pragma omp simd
+    for (int64_t j = 0; j < c; ++j) o[j] = pr[j] * scale;
+    o[targets[r]] -= scale;
+  }
+}
+
+void gelu_forward(const float* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kGeluC * (v + 0.044715f * v * v * v);
+    y[i] = 0.5f * v * (1.0f + tanh_v(u));
+  }
+}
+
+void gelu_backward(const float* __restrict x, const float* __restrict g, float* __restrict gx, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kGeluC * (v + 0.044715f * v * v * v);
+    const float t = tanh_v(u);
+    const float du = kGeluC * (1.0f + 3.0f * 0.044715f * v * v);
+    gx[i] = g[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+  }
+}
+
+void causal_softmax_row(float* row, int64_t len, int64_t t) {
+  const float mx = row_max(row, len);
+  const float sum = exp_shifted(row, row, len, mx);
+  scale_row(row, len, 1.0f / sum);
+#pragma omp simd
+  for (int64_t j = len; j < t; ++j) row[j] = 0.0f;
+}
+
+void causal_softmax_backward_row(const float* __restrict p, float* __restrict dp, int64_t len, int64_t t) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < len; ++j) s += dp[j] * p[j];
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) dp[j] = p[j] * (dp[j] - s);
+#pragma omp simd
+  for (int64_t j = len; j < t; ++j) dp[j] = 0.0f;
+}
+
+void add_into(float* __restrict dst, const float* __restrict src, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+void sum_rows(const float* __restrict x, float* __restrict out, int64_t rows, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict xr = x + r * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] += xr[j];
+  }
+}
+
+void adamw(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
+           float decay, float beta1, float beta2, float step_size, float inv_bc2_sqrt, float eps) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j] * decay;
+    const float mj = beta1 * m[j] + (1.0f - beta1) * g[j];
+    const float vj = beta2 * v[j] + (1.0f - beta2) * g[j] * g[j];
+    m[j] = mj;
+    v[j] = vj;
+    p[j] = pj - step_size * mj / (__builtin_sqrtf(vj) * inv_bc2_sqrt + eps);
+  }
+}
+
+void round_to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict s = src + r * ld;
+    uint16_t* __restrict d = dst + r * cols;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) d[j] = bf16_of(s[j]);
+  }
+}
+
+void round_to_bf16_values(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict s = src + r * ld;
+    float* __restrict d = dst + r * cols;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) d[j] = f32_of_bf16(bf16_of(s[j]));
+  }
+}
+
+}  // namespace
+
+const Table& make_table(const char* isa) {
+  static const Table t{isa,
+                       layer_norm_forward,
+                       layer_norm_backward,
+                       softmax_forward,
+                       softmax_backward,
+                       cross_entropy_forward,
+                       cross_entropy_backward,
+                       gelu_forward,
+                       gelu_backward,
+                       causal_softmax_row,
+                       causal_softmax_backward_row,
+                       add_into,
+                       sum_rows,
+                       adamw,
+                       round_to_bf16,
+                       round_to_bf16_values};
+  return t;
+}

@@ -1,0 +1,177 @@
+// --precision bf16: bf16 products with f32 sums through the ops (gradients against f32 within
+// bf16's rounding), and the trainer on every layout, with compression and a resumed checkpoint.
+//
+// Bound for the ops: each product element is off from f32 by at most (2^-7 + 2^-16 + gamma_K)
+// sum |a b| (both operands rounded by at most 2^-8 relative); on these random operands that is a
+// relative (Frobenius) error of a few 2^-9, so 2^-5 fails only a product that is not bf16 at all
+// or wrong; and an error below 1e-6 means the products were not rounded.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cli_util.h"
+#include "dtrain/nn/models.h"
+#include "dtrain/tensor/autograd.h"
+#include "dtrain/tensor/gemm.h"
+#include "dtrain/tensor/ops.h"
+#include "dtrain/tensor/random.h"
+
+namespace dtrain {
+namespace {
+
+struct PrecisionGuard {
+  Precision saved = matmul_precision();
+  explicit PrecisionGuard(Precision p) { set_matmul_precision(p); }
+  ~PrecisionGuard() { set_matmul_precision(saved); }
+};
+
+double relative_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+    norm += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+using Forward = std::function<Tensor(const std::vector<Tensor>&)>;
+
+// The output and every input's gradient of sum(f(inputs) * R) at `precision`.
+std::vector<std::vector<float>> run(const Forward& f, const std::vector<Tensor>& inputs, Precision precision) {
+  PrecisionGuard guard(precision);
+  std::vector<Tensor> leaves;
+  for (const Tensor& t : inputs) leaves.push_back(t.detach().clone().set_requires_grad(true));
+  Tensor y = f(leaves);
+  Generator gen(99);
+  ops::sum(ops::mul(y, Tensor::randn(y.shape(), gen))).backward();
+  std::vector<std::vector<float>> out{y.to_vector()};
+  for (const Tensor& t : leaves) out.push_back(t.grad().to_vector());
+  return out;
+}
+
+// The output and each input's gradient within the bound of f32's; those that come out of a
+// product (all but `not_a_product`, e.g. a bias gradient, a plain sum) must also differ from f32.
+void expect_bf16_close(const char* what, const Forward& f, const std::vector<Tensor>& inputs,
+                       size_t not_a_product = SIZE_MAX) {
+  const auto f32 = run(f, inputs, Precision::f32);
+  const auto bf16 = run(f, inputs, Precision::bf16);
+  for (size_t i = 0; i < f32.size(); ++i) {
+    const double e = relative_error(bf16[i], f32[i]);
+    EXPECT_LT(e, std::ldexp(1.0, -5)) << what << (i == 0 ? " output" : " gradient of input ") << i;
+    if (i != not_a_product) {
+      EXPECT_GT(e, 1e-6) << what << (i == 0 ? " output" : " gradient of input ") << i << ": not rounded to bf16";
+    }
+  }
+}
+
+Tensor randn(const Shape& s, uint64_t seed) {
+  Generator gen(seed);
+  return Tensor::randn(s, gen);
+}
+
+TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
+  expect_bf16_close(
+      "linear", [](const std::vector<Tensor>& in) { return ops::linear(in[0], in[1], in[2]); },
+      {randn({48, 40}, 1), randn({24, 40}, 2), randn({24}, 3)}, /*the bias gradient, a sum*/ 3);
+  expect_bf16_close("matmul", [](const std::vector<Tensor>& in) { return ops::matmul(in[0], in[1]); },
+                    {randn({3, 20, 36}, 4), randn({3, 36, 28}, 5)});
+  expect_bf16_close("causal_attention", [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
+                    {randn({2, 24, 96}, 6)});
+}
+
+// A whole GPT: its loss and the gradient of every parameter.
+TEST(Bf16Ops, AGptLossAndParameterGradientsStayWithinBf16RoundingOfF32) {
+  nn::GptConfig cfg;
+  cfg.layers = 2;
+  cfg.heads = 2;
+  cfg.width = 32;
+  cfg.seq_len = 16;
+  cfg.vocab = 64;
+  std::vector<float> ids(4 * 16), next(4 * 16);
+  Generator gen(7);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = static_cast<float>(gen.below(64));
+    next[i] = static_cast<float>(gen.below(64));
+  }
+  auto step = [&](Precision p) {
+    PrecisionGuard guard(p);
+    nn::Gpt model(cfg, 3);
+    Tensor loss = model.loss(model.forward(Tensor::from_vector({4, 16}, ids)), Tensor::from_vector({4, 16}, next));
+    loss.backward();
+    std::vector<std::vector<float>> out{{loss.item()}};
+    for (const Tensor& p : model.parameters()) out.push_back(p.grad().to_vector());
+    return out;
+  };
+  const auto f32 = step(Precision::f32), bf16 = step(Precision::bf16);
+  ASSERT_EQ(f32.size(), bf16.size());
+  EXPECT_NEAR(bf16[0][0], f32[0][0], 1e-2 * std::fabs(f32[0][0]));
+  for (size_t i = 1; i < f32.size(); ++i) EXPECT_LT(relative_error(bf16[i], f32[i]), std::ldexp(1.0, -4)) << i;
+}
+
+}  // namespace
+}  // namespace dtrain
+
+namespace {
+
+class PrecisionCli : public CliTest {
+ protected:
+  std::string gpt() const {
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    write("corpus.txt", text);
+    return "train --model gpt --data text:" + path("corpus.txt") +
+           " --layers 2 --heads 4 --width 32 --seq-len 16 --batch-size 8 --optimizer sgd --lr 0.05"
+           " --progress=false --eval-batches 2";
+  }
+};
+
+// bf16 on every layout ends where one bf16 process ends, up to the rounding of sums in another
+// order (which can move an operand across a bf16 rounding boundary, 2^-8 relative for that
+// element: hence a tolerance above f32's 1e-5); and differs from f32 by more than that.
+TEST_F(PrecisionCli, Bf16TrainsOnEveryLayoutLikeOneBf16ProcessAndResumesBitwise) {
+  const std::string base = gpt() + " --steps 6";
+  ProcessResult one = dtrain(base + " --precision bf16 --save " + path("one.dtm") + " --metrics " + path("one.jsonl"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  const nlohmann::json f = final_record("one.jsonl");
+  EXPECT_EQ(f["precision"], "bf16");
+  EXPECT_FALSE(f["bf16_route"].get<std::string>().empty());
+  EXPECT_NE(one.output.find("bf16 products"), std::string::npos) << "the route was not logged:\n" << one.output;
+  EXPECT_TRUE(std::isfinite(f["val_loss"].get<double>()));
+  ProcessResult f32 = dtrain(base + " --save " + path("f32.dtm"));
+  ASSERT_EQ(f32.code, 0) << f32.output;
+  EXPECT_NE(dtrain("diff --tol 1e-4 --quiet " + path("one.dtm") + " " + path("f32.dtm")).code, 0)
+      << "bf16 and f32 ended at the same parameters";
+  EXPECT_EQ(dtrain("diff --tol 5e-2 --quiet " + path("one.dtm") + " " + path("f32.dtm")).code, 0);
+
+  for (const std::string layout : {"--dp 2", "--pp 2 --micro-batches 2", "--tp 2", "--dp 2 --zero 1"}) {
+    ProcessResult r = dtrain(base + " --precision bf16 " + layout + " --save " + path("l.dtm"), 300);
+    ASSERT_EQ(r.code, 0) << layout << ": " << r.output;
+    ProcessResult d = dtrain("diff --tol 1e-3 --quiet " + path("one.dtm") + " " + path("l.dtm"));
+    EXPECT_EQ(d.code, 0) << layout << ": " << d.output;
+  }
+  // Compressed gradients with bf16 products train (their own math: compared to nothing).
+  ProcessResult c = dtrain(base + " --precision bf16 --dp 2 --compress int8 --metrics " + path("c.jsonl"), 300);
+  ASSERT_EQ(c.code, 0) << c.output;
+  EXPECT_TRUE(std::isfinite(final_record("c.jsonl")["train_loss"].get<double>()));
+
+  // A checkpoint at step 3, resumed to step 6: the parameters of the run that never stopped.
+  const std::string ckpt = " --checkpoint-dir " + path("ck") + " --checkpoint-every 3";
+  ProcessResult first = dtrain(gpt() + " --steps 3 --precision bf16" + ckpt);
+  ASSERT_EQ(first.code, 0) << first.output;
+  ProcessResult resumed = dtrain(base + " --precision bf16" + ckpt + " --save " + path("resumed.dtm"));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  ProcessResult same = dtrain("diff --tol 0 --quiet " + path("one.dtm") + " " + path("resumed.dtm"));
+  EXPECT_EQ(same.code, 0) << same.output;
+}
+
+TEST_F(PrecisionCli, AnUnknownPrecisionIsRefusedNamingIt) {
+  ProcessResult r = dtrain("train --model mlp --steps 1 --precision fp8");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("--precision 'fp8': expected f32 or bf16"), std::string::npos) << r.output;
+}
+
+}  // namespace
