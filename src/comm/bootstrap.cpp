@@ -14,7 +14,7 @@
 #include "dtrain/comm/mpi.h"
 #include "dtrain/core/log.h"
 #include "group_impl.h"
-#include "net.h"
+#include "tcp/net.h"
 
 namespace dtrain::comm {
 

@@ -28,9 +28,9 @@
 #include <mutex>
 #include <thread>
 
+#include "../tcp/net.h"
 #include "auth.h"
 #include "dtrain/comm/store.h"
-#include "net.h"
 
 namespace dtrain::comm {
 

@@ -10,8 +10,8 @@
 #include <chrono>
 #include <cmath>
 
+#include "../tcp/net.h"
 #include "dtrain/core/log.h"
-#include "net.h"
 
 namespace dtrain::comm::store_guard {
 

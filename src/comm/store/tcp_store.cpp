@@ -1,4 +1,4 @@
-// TcpStore: the rendezvous store served over TCP (server thread + client), wire format in net.h.
+// TcpStore: the rendezvous store served over TCP (server thread + client), wire format in ../tcp/net.h.
 //
 // Server: one thread polls the listening socket, an eventfd (to stop it) and every client
 // socket (non-blocking). A connection goes through three phases:
@@ -28,10 +28,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include "../tcp/net.h"
 #include "auth.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/core/log.h"
-#include "net.h"
 #include "store_guard.h"
 
 namespace dtrain::comm {
