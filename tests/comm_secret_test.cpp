@@ -23,6 +23,7 @@
 
 #include "../src/comm/store/auth.h"
 #include "../src/comm/store/store_guard.h"
+#include "../src/comm/store/store_wire.h"
 #include "../src/comm/tcp/net.h"
 #include "comm_test_util.h"
 #include "dtrain/comm/group.h"

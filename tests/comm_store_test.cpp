@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../src/comm/store/auth.h"
+#include "../src/comm/store/store_wire.h"
 #include "../src/comm/tcp/net.h"
 #include "comm_test_util.h"
 #include "dtrain/comm/store.h"
