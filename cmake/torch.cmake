@@ -37,7 +37,7 @@ message(STATUS "dtrain: torch.distributed backend dtrain_torch for ${Python3_EXE
 # libtorch's imported targets carry its include directories, which CMake passes as -isystem:
 # their warnings do not trip -Werror.
 add_library(dtrain_torch STATIC src/torch/fault.cpp src/torch/process_group.cpp src/torch/store.cpp src/torch/work.cpp)
-target_link_libraries(dtrain_torch PUBLIC dtrain_comm torch)
+target_link_libraries(dtrain_torch PUBLIC dtrain_comm torch PRIVATE dtrain_launch)
 target_compile_options(dtrain_torch PRIVATE -O2)
 
 set(DTRAIN_TORCH_PACKAGE_DIR ${PROJECT_BINARY_DIR}/python/dtrain_torch)
