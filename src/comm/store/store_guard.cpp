@@ -17,7 +17,7 @@ namespace dtrain::comm::store_guard {
 
 namespace {
 
-const std::string kOtherHosts = "other hosts";
+constexpr char kOtherHosts[] = "other hosts";
 
 double seconds_between(Deadline from, Deadline to) { return std::chrono::duration<double>(to - from).count(); }
 

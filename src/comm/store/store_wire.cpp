@@ -30,7 +30,7 @@ const char* op_name(Op op) {
 
 namespace {
 
-std::string finish_frame(std::string body, const char* what) {
+std::string finish_frame(const std::string& body, const char* what) {
   if (body.size() > kMaxFrameBytes) {
     throw CommError(
         what, 0, {},
@@ -162,7 +162,7 @@ std::string encode_request_frame(const Request& q) {
       put_keys(body, q.keys);
       break;
   }
-  return finish_frame(std::move(body), "store.encode");
+  return finish_frame(body, "store.encode");
 }
 
 ReplyDecode decode_reply_body(Op op, const uint8_t* data, size_t size) {
@@ -252,7 +252,7 @@ std::string encode_reply_frame(Op op, const Reply& y) {
       put_bytes(body, y.message);
       break;
   }
-  return finish_frame(std::move(body), "store.reply");
+  return finish_frame(body, "store.reply");
 }
 
 }  // namespace store_wire
