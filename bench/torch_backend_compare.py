@@ -11,6 +11,8 @@ coll: torch.distributed.all_reduce (float32, sum, in place) on N processes (fork
 ddp:  bench/torch_reference.py --dp N (DistributedDataParallel, SGD, one thread per process):
       the MLP 784-1024-1024-10 (64 per rank), the byte GPT (L4 C128 T128, 16 per rank) and
       torchvision's ResNet-18 on generated 32x32 images (16 per rank); samples/s after warm-up.
+      --ceiling adds a third run of each job whose DDP hook communicates nothing: the samples/s
+      that no backend can beat, so a target above it is out of any backend's reach.
 
 Every repeat runs both backends for each configuration back to back, alternating which goes
 first, so that load from elsewhere on the machine hits both alike. Cells are medians over the
@@ -147,12 +149,16 @@ def coll_world(backend, n, a):
 # ------------------------------------------------------------------------------------------- DDP
 
 def ddp_run(job, backend, n, a, seed):
+    """backend "ceiling": gloo's process group with a DDP hook that communicates nothing."""
     args, per_rank = DDP_JOBS[job]
+    hook = []
+    if backend == "ceiling":
+        backend, hook = "gloo", ["--comm-hook", "noop"]
     steps = a.ddp_steps[job]
     cmd = [sys.executable, os.path.join(HERE, "torch_reference.py")] + args + [
         "--dp", str(n), "--batch-size", str(per_rank * n), "--steps", str(steps), "--warmup", str(a.ddp_warmup),
         "--optimizer", "sgd", "--threads", "1", "--seed", str(seed), "--backend", backend,
-        "--dtrain-python", a.dtrain_python]
+        "--dtrain-python", a.dtrain_python] + hook
     env = dict(os.environ, **ONE_THREAD)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
     if p.returncode != 0:
@@ -180,6 +186,9 @@ def main():
     p.add_argument("--gpt-steps", type=int, default=40)
     p.add_argument("--resnet18-steps", type=int, default=25)
     p.add_argument("--ddp-warmup", type=int, default=5)
+    p.add_argument("--ceiling", action="store_true",
+                   help="ddp: also run each job with a DDP hook that communicates nothing, the samples/s no "
+                        "backend can beat, and print it as a ratio to gloo beside dtrain's")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--dtrain-python", default=os.environ.get("DTRAIN_TORCH_PATH",
                                                              os.path.join(ROOT, "build", "release", "python")))
@@ -219,18 +228,19 @@ def main():
     if "ddp" in parts:
         jobs = a.jobs.split(",")
         ddp_worlds = [int(w) for w in a.ddp_worlds.split(",")]
-        raw = {(j, b, n): [] for j in jobs for b in backends for n in ddp_worlds}
+        ddp_backends = backends + (["ceiling"] if a.ceiling else [])
+        raw = {(j, b, n): [] for j in jobs for b in ddp_backends for n in ddp_worlds}
         for r in range(a.repeats):
             for j in jobs:
                 for n in ddp_worlds:
-                    for b in (backends if r % 2 == 0 else backends[::-1]):
+                    for b in (ddp_backends if r % 2 == 0 else ddp_backends[::-1]):
                         log(f"repeat {r + 1}/{a.repeats}: DDP {j} {b} x{n}")
                         raw[(j, b, n)].append(ddp_run(j, b, n, a, seed=r))
         for j in jobs:
             for n in ddp_worlds:
                 result["ddp"][f"{j} x{n}"] = {
                     b: {"samples_per_s": summary([x["samples_per_s"] for x in raw[(j, b, n)]]),
-                        "final_loss": [x["final_loss"] for x in raw[(j, b, n)]]} for b in backends}
+                        "final_loss": [x["final_loss"] for x in raw[(j, b, n)]]} for b in ddp_backends}
 
     # ---- report
     print(f"dtrain vs gloo through torch.distributed (PyTorch {torch.__version__}), {a.repeats} repeats, "
@@ -272,6 +282,12 @@ def main():
             cell["ratio"] = ratio
             print(f"{name:>14} {fmt(d['samples_per_s'], 1):>26} {fmt(g['samples_per_s'], 1):>26} {ratio:>6.2f}x  "
                   f"{d['final_loss'][0]:.6f} / {g['final_loss'][0]:.6f}")
+            if "ceiling" in cell:
+                c = cell["ceiling"]["samples_per_s"]
+                cell["ceiling_ratio"] = c["median"] / g["samples_per_s"]["median"]
+                print(f"{'no comm.':>14} {fmt(c, 1):>26} {'':>26} {cell['ceiling_ratio']:>6.2f}x  (a DDP hook that "
+                      f"communicates nothing: no backend beats it; dtrain reaches "
+                      f"{d['samples_per_s']['median'] / c['median']:.0%} of it)")
             job = name.split()[0]
             if name.endswith("x2"):
                 checks.append((f"DDP {name} samples/s >= {TARGETS[job]}x gloo", ratio, ratio >= TARGETS[job]))

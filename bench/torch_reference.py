@@ -378,6 +378,12 @@ def dp_worker(rank, args, port):
         if args.comm_hook == "allreduce":  # torch's own hook: the bucket's all_reduce through its future
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             net.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif args.comm_hook == "noop":  # no communication at all: the ceiling of any backend's DDP
+            def noop_hook(_state, bucket):
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+                return fut
+            net.register_comm_hook(None, noop_hook)
         elif args.comm_hook != "none":  # dtrain's compressed all_reduce with error feedback
             net.register_comm_hook(dtrain_torch.CompressionState(args.comm_hook), dtrain_torch.compression_hook)
     opt = make_optimizer(args, net.parameters())
@@ -493,9 +499,11 @@ def main():
         help="--backend dtrain: the folder holding the dtrain_torch package")
     p.add_argument("--launched", action="store_true",
                    help="--dp: started by a launcher (dtrain launch, torchrun) as one rank: env:// rendezvous")
-    p.add_argument("--comm-hook", choices=["none", "allreduce", "bf16", "fp16", "int8", "int4"], default="none",
-                   help="--dp: DDP communication hook: torch's allreduce_hook, or dtrain_torch.compression_hook "
-                        "with that codec (--backend dtrain)")
+    p.add_argument("--comm-hook", choices=["none", "allreduce", "noop", "bf16", "fp16", "int8", "int4"],
+                   default="none",
+                   help="--dp: DDP communication hook: torch's allreduce_hook; noop, which communicates nothing "
+                        "(each rank keeps its own gradients: the throughput no backend can beat); or "
+                        "dtrain_torch.compression_hook with that codec (--backend dtrain)")
     p.add_argument("--image-size", type=int, default=32, help="resnet18: image side")
     p.add_argument("--images", type=int, default=2048, help="resnet18: generated images")
     args = p.parse_args()
@@ -504,7 +512,7 @@ def main():
         args.batch_size = {"gpt": 16, "resnet18": 16}.get(args.model, 64)
     if args.lr is None:
         args.lr = 3e-4 if args.model == "gpt" else 1e-3
-    if args.comm_hook not in ("none", "allreduce") and args.backend != "dtrain":
+    if args.comm_hook not in ("none", "allreduce", "noop") and args.backend != "dtrain":
         sys.exit(f"--comm-hook {args.comm_hook} is dtrain's compressed all_reduce: it needs --backend dtrain")
     if args.model == "resnet18" and args.dp is None:
         sys.exit("--model resnet18 runs with --dp N (N >= 1)")

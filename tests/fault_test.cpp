@@ -90,8 +90,8 @@ TEST(Fault, ReadsEveryFaultOfASpecWhateverRankAndStart) {
 
 TEST(Fault, RefusesASpecItCannotReadNamingThePart) {
   const std::string expected =
-      "(expected kill|stop|delay|drop|hang|exit:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A|any]"
-      "[:ms=M])";
+      "(expected kill|stop|delay|drop|hang|exit|skip|extra|mismatch:rank=R:step=S[:phase=step|allreduce|checkpoint]"
+      "[:attempt=A|any][:ms=M])";
   EXPECT_EQ(refusal("bogus"), "DTRAIN_FAULT 'bogus': cannot read 'bogus' " + expected);
   EXPECT_EQ(refusal("kill:rank=x:step=1"), "DTRAIN_FAULT 'kill:rank=x:step=1': cannot read 'rank=x' " + expected);
   EXPECT_EQ(refusal("kill:rank=0:step=2:phase=later"),
@@ -101,8 +101,8 @@ TEST(Fault, RefusesASpecItCannotReadNamingThePart) {
             "DTRAIN_FAULT 'kill:stop:rank=0:step=1': cannot read 'stop' " + expected);
   // One bad fault in a list refuses the list, even when it is another rank's.
   EXPECT_EQ(refusal("kill:rank=3:step=1,kill:rank=3"),
-            "DTRAIN_FAULT 'kill:rank=3:step=1,kill:rank=3': 'kill:rank=3' needs a kind (kill, stop, delay, drop, hang "
-            "or exit) first, rank=R and step=S (S >= 1)");
+            "DTRAIN_FAULT 'kill:rank=3:step=1,kill:rank=3': 'kill:rank=3' needs a kind (kill, stop, delay, drop, hang, "
+            "exit, skip, extra or mismatch) first, rank=R and step=S (S >= 1)");
   EXPECT_NE(refusal("rank=0:step=1").find("needs a kind"), std::string::npos);
   EXPECT_NE(refusal("kill:rank=0:step=0").find("needs a kind"), std::string::npos);
   EXPECT_EQ(refusal("delay:rank=0:step=1"),
@@ -142,6 +142,29 @@ TEST(Fault, FiresOnlyAtItsStepAndPhase) {
   t0 = Clock::now();
   inject_faults(brief, 3, FaultPhase::step);
   EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(60));
+}
+
+// skip, extra and mismatch act once, on the first collective at or after their step.
+TEST(Fault, OrderFaultsActOnceOnTheFirstCollectiveFromTheirStep) {
+  auto calls = [](std::vector<Fault>& faults, int64_t step) {
+    std::string out;
+    collective_with_faults(
+        faults, step, [&] { out += "c"; }, [&] { out += "o"; });
+    return out;
+  };
+  std::vector<Fault> skip = parse_faults("skip:rank=1:step=3", 1, 0);
+  EXPECT_EQ(calls(skip, 2), "c");
+  EXPECT_EQ(calls(skip, 4), "");  // step 3 had no collective: the next one is skipped
+  EXPECT_EQ(calls(skip, 5), "c");
+  std::vector<Fault> extra = parse_faults("extra:rank=1:step=1", 1, 0);
+  EXPECT_EQ(calls(extra, 1), "cc");
+  EXPECT_EQ(calls(extra, 2), "c");
+  std::vector<Fault> mismatch = parse_faults("mismatch:rank=1:step=2", 1, 0);
+  EXPECT_EQ(calls(mismatch, 2), "o");
+  EXPECT_EQ(calls(mismatch, 2), "c");
+  // inject_faults leaves them alone.
+  inject_faults(parse_faults("skip:rank=0:step=1,extra:rank=0:step=1,mismatch:rank=0:step=1", 0, 0), 1,
+                FaultPhase::step);
 }
 
 }  // namespace

@@ -210,8 +210,9 @@ Group create_group(const std::shared_ptr<Store>& store, int rank, int size, Grou
   impl->executor =
       std::make_unique<detail::Executor>(*impl->transport, name, rank, options.timeout, impl->recorder,
                                          [raw](const std::string& reason) { raw->abort_hierarchy(reason); });
-  impl->registration = health::register_group([raw](const std::string& reason) { raw->abort(reason); },
-                                              [raw] { return raw->describe_json(); });
+  impl->registration =
+      health::register_group([raw](const std::string& reason) { raw->abort(reason); },
+                             [raw] { return raw->describe_json(); }, [raw] { return raw->pending_json(); });
   if (options.heartbeat_timeout > Duration::zero() && size > 1) {
     impl->heartbeat = std::make_unique<health::Heartbeat>(
         options.heartbeat_store ? options.heartbeat_store : store, name, rank, size, options.heartbeat_interval,

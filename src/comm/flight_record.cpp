@@ -2,6 +2,7 @@
 #include "flight_record.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <thread>
 
@@ -114,6 +115,17 @@ void FlightRecorder::ended(uint64_t id, const std::exception_ptr& error) {
   }
 }
 
+std::optional<FlightEntry> FlightRecorder::oldest_pending() const {
+  Lock lock(busy_);
+  const size_t n = ring_.size();
+  const uint64_t first = next_ > n ? next_ - n : 0;
+  for (uint64_t id = first; id < next_; ++id) {
+    const FlightEntry& e = ring_[id % n];
+    if (e.state == FlightEntry::State::queued || e.state == FlightEntry::State::running) return e;
+  }
+  return std::nullopt;
+}
+
 std::vector<FlightEntry> FlightRecorder::entries() const {
   Lock lock(busy_);
   std::vector<FlightEntry> out;
@@ -124,14 +136,16 @@ std::vector<FlightEntry> FlightRecorder::entries() const {
 }
 
 std::string flight_record_json(const std::string& group, int rank, int size, const std::string& transport,
-                               const std::vector<FlightEntry>& entries) {
+                               const std::vector<FlightEntry>& entries, const std::vector<int>& members) {
   const auto now = Clock::now();
   auto ago = [&](Clock::time_point t) {
     return t == Clock::time_point{} ? std::string("null")
                                     : fmt::format("{:.3f}", std::chrono::duration<double, std::milli>(now - t).count());
   };
-  std::string out = fmt::format(R"({{"group":"{}","rank":{},"size":{},"transport":"{}","entries":[)",
-                                json_escape(group), rank, size, transport);
+  std::string out =
+      fmt::format(R"({{"group":"{}","rank":{},"size":{},"transport":"{}",)", json_escape(group), rank, size, transport);
+  if (!members.empty()) out += fmt::format(R"("members":[{}],)", fmt::join(members, ","));
+  out += R"("entries":[)";
   bool first = true;
   for (const FlightEntry& e : entries) {
     out += fmt::format(
@@ -141,6 +155,14 @@ std::string flight_record_json(const std::string& group, int rank, int size, con
     first = false;
   }
   return out + "]}";
+}
+
+std::string pending_json(const std::string& group, const std::optional<FlightEntry>& pending) {
+  if (!pending) return {};
+  const FlightEntry& e = *pending;
+  const Clock::time_point since = e.started_at != Clock::time_point{} ? e.started_at : e.queued_at;
+  return fmt::format(R"({{"group":"{}","op":"{}","seq":{},"state":"{}","ms":{:.1f}}})", json_escape(group), e.op, e.seq,
+                     name_of(e.state), std::chrono::duration<double, std::milli>(Clock::now() - since).count());
 }
 
 std::string json_escape(std::string_view text) {

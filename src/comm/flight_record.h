@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -31,6 +32,8 @@ class FlightRecorder {
                  const std::exception_ptr& error);
   /// Oldest first.
   std::vector<FlightEntry> entries() const;
+  /// The oldest entry that is queued or running (copies one entry, not the ring: live status).
+  std::optional<FlightEntry> oldest_pending() const;
 
  private:
   struct Lock {
@@ -49,9 +52,14 @@ class FlightRecorder {
   size_t next_slot_ = 0;  // next_ % ring_.size()
 };
 
-/// A group and its flight record as one JSON object (times in ms before now).
+/// A group and its flight record as one JSON object (times in ms before now). `members`: the
+/// world ranks of the group's ranks (empty: the group is the world).
 std::string flight_record_json(const std::string& group, int rank, int size, const std::string& transport,
-                               const std::vector<FlightEntry>& entries);
+                               const std::vector<FlightEntry>& entries, const std::vector<int>& members = {});
+
+/// A pending entry as {"group","op","seq","state","ms"} (ms: since it started, or was queued);
+/// empty for none.
+std::string pending_json(const std::string& group, const std::optional<FlightEntry>& pending);
 
 /// `text` as the inside of a JSON string.
 std::string json_escape(std::string_view text);

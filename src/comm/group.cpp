@@ -68,8 +68,10 @@ Work Group::Impl::submit(const std::string& op, bool blocking, std::function<voi
 }
 
 std::string Group::Impl::describe_json() const {
-  return detail::flight_record_json(name, rank, size, name_of(kind), recorder->entries());
+  return detail::flight_record_json(name, rank, size, name_of(kind), recorder->entries(), members);
 }
+
+std::string Group::Impl::pending_json() const { return detail::pending_json(name, recorder->oldest_pending()); }
 
 namespace {
 
@@ -123,8 +125,14 @@ Group Group::split(int color, int key, const GroupOptions& requested) const {
   for (size_t i = 0; i < members.size(); ++i) {
     if (members[i].second == rank()) new_rank = static_cast<int>(i);
   }
-  return create(impl_->store, new_rank, static_cast<int>(members.size()), options,
-                fmt::format("{}/split{}/color{}", impl_->name, split_id, color));
+  Group g = create(impl_->store, new_rank, static_cast<int>(members.size()), options,
+                   fmt::format("{}/split{}/color{}", impl_->name, split_id, color));
+  // The members' world ranks, for the flight record.
+  for (const auto& m : members) {
+    const auto parent = static_cast<size_t>(m.second);
+    g.impl_->members.push_back(parent < impl_->members.size() ? impl_->members[parent] : m.second);
+  }
+  return g;
 }
 
 // ---------------------------------------------------------------------------------- collectives

@@ -30,6 +30,9 @@ struct Group::Impl {
   TransportKind kind = TransportKind::none;
   uint64_t splits = 0;
   uint64_t shared_allocations = 0;
+  /// The world ranks of the members, by group rank (empty: the group is its own world, 0..size-1);
+  /// in the flight record, so that a report can name a member whose own record is missing.
+  std::vector<int> members;
 
   std::shared_ptr<detail::FlightRecorder> recorder;
   std::unique_ptr<detail::Executor> executor;  // the queue, the progress thread, the failure rule
@@ -86,6 +89,9 @@ struct Group::Impl {
 
   // This group and its flight record as JSON (times in ms before now).
   std::string describe_json() const;
+  // The oldest operation of this group that has not completed, as a JSON object for a live
+  // status (dtrain status); empty when none is pending.
+  std::string pending_json() const;
 };
 
 namespace detail {

@@ -5,6 +5,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <list>
@@ -12,6 +14,7 @@
 #include "dtrain/comm/progress.h"
 #include "dtrain/core/file.h"
 #include "dtrain/core/log.h"
+#include "flight_record.h"
 
 namespace dtrain::comm {
 
@@ -65,6 +68,7 @@ void Heartbeat::run() {
   const std::string mine = fmt::format("{}/hb/{}", prefix_, rank_);
   const std::string theirs = fmt::format("{}/hb/{}", prefix_, watched);
   const std::string failed = prefix_ + "/hb/failed";
+  const std::string status_key = fmt::format("{}/status/{}", prefix_, rank_);
   std::string last_seen;
   Clock::time_point last_change = Clock::now();
   uint64_t beat = 0;
@@ -74,6 +78,7 @@ void Heartbeat::run() {
     std::string reason;
     try {
       store_->set(mine, std::to_string(++beat));
+      store_->set(status_key, status_json(rank_, beat, interval_, timeout_));
       if (auto f = store_->try_get(failed); f && !f->empty()) {
         reason = *f;
       } else if (const std::string stall = progress_stall(timeout_); !stall.empty()) {
@@ -121,7 +126,10 @@ std::atomic<int64_t> progress_at{0};
 std::atomic<const char*> progress_what{nullptr};
 std::atomic<int64_t> progress_step{-1};
 std::atomic<bool> watching{false};
-std::atomic<int> waiting{0};  // WaitScopes alive in this process
+std::atomic<int> waiting{0};            // WaitScopes alive in this process
+std::atomic<int64_t> waiting_since{0};  // when `waiting` last went from 0 to 1 (coarse ns)
+std::atomic<double> throughput{-1.0};
+std::atomic<const char*> throughput_unit{nullptr};
 
 int64_t coarse_ns() {
   timespec ts{};
@@ -130,7 +138,9 @@ int64_t coarse_ns() {
 }
 }  // namespace
 
-WaitScope::WaitScope() { waiting.fetch_add(1, std::memory_order_relaxed); }
+WaitScope::WaitScope() {
+  if (waiting.fetch_add(1, std::memory_order_relaxed) == 0) waiting_since.store(coarse_ns(), std::memory_order_relaxed);
+}
 
 WaitScope::~WaitScope() {
   // Leaving a wait is progress too: the time spent waiting does not count against the work.
@@ -150,6 +160,11 @@ std::string progress_stall(Duration timeout) {
 
 }  // namespace health
 
+void note_throughput(double per_s, const char* unit) {
+  health::throughput.store(per_s, std::memory_order_relaxed);
+  health::throughput_unit.store(unit, std::memory_order_relaxed);
+}
+
 void note_progress(const char* what, int64_t step) {
   health::progress_what.store(what, std::memory_order_relaxed);
   health::progress_step.store(step, std::memory_order_relaxed);
@@ -166,6 +181,7 @@ namespace health {
 struct Registration {
   std::function<void(const std::string&)> abort;
   std::function<std::string()> json;
+  std::function<std::string()> pending;
   ~Registration();
 };
 
@@ -179,6 +195,15 @@ std::list<Registration*>& registry() {
   return r;
 }
 std::atomic<bool> dumped{false};
+// Why abort_all first ran in this process (a heartbeat's finding), for the flight record.
+std::mutex& first_abort_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::string& first_abort() {
+  static std::string reason;
+  return reason;
+}
 }  // namespace
 
 Registration::~Registration() {
@@ -187,16 +212,21 @@ Registration::~Registration() {
 }
 
 std::shared_ptr<Registration> register_group(std::function<void(const std::string&)> abort,
-                                             std::function<std::string()> json) {
+                                             std::function<std::string()> json, std::function<std::string()> pending) {
   auto r = std::make_shared<Registration>();
   r->abort = std::move(abort);
   r->json = std::move(json);
+  r->pending = std::move(pending);
   std::lock_guard<std::mutex> lock(registry_mu());
   registry().push_back(r.get());
   return r;
 }
 
 void abort_all(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(first_abort_mu());
+    if (first_abort().empty()) first_abort() = reason;
+  }
   std::lock_guard<std::mutex> lock(registry_mu());
   for (Registration* r : registry()) r->abort(reason);
 }
@@ -206,7 +236,16 @@ void dump_on_first_failure() {
   if (dir == nullptr || *dir == '\0' || dumped.exchange(true)) return;
   const char* rank = std::getenv("RANK");
   const std::string who = rank != nullptr ? rank : fmt::format("pid{}", ::getpid());
-  std::string body = fmt::format("{{\"rank\":\"{}\",\"pid\":{},\"groups\":[", who, ::getpid());
+  // time_ms (Unix, to the microsecond): the entries' "ms ago" of every rank's record on one clock.
+  const double unix_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(first_abort_mu());
+    reason = first_abort();
+  }
+  std::string body = fmt::format("{{\"rank\":\"{}\",\"pid\":{},\"time_ms\":{:.3f},\"reason\":\"{}\",\"groups\":[", who,
+                                 ::getpid(), unix_ms, detail::json_escape(reason));
   {
     std::lock_guard<std::mutex> lock(registry_mu());
     bool first = true;
@@ -222,6 +261,40 @@ void dump_on_first_failure() {
   } catch (const std::exception& e) {
     DT_LOG_WARN("cannot write the flight record: {}", e.what());
   }
+}
+
+// ---------------------------------------------------------------------------------- status
+
+std::string status_json(int rank, uint64_t beat, Duration interval, Duration timeout) {
+  const int64_t now = coarse_ns();
+  const int64_t unix_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const bool noted = progress_at.load(std::memory_order_relaxed) != 0;
+  const char* what = progress_what.load(std::memory_order_relaxed);
+  const char* unit = throughput_unit.load(std::memory_order_relaxed);
+  const bool in_wait = waiting.load(std::memory_order_relaxed) > 0;
+  const double rate = throughput.load(std::memory_order_relaxed);
+  std::string out = fmt::format(
+      R"({{"rank":{},"pid":{},"host":"{}","time_ms":{},"beat":{},"interval_ms":{},"timeout_ms":{},"step":{},)"
+      R"("what":"{}","what_ms":{},"wait_ms":{},"rate":{},"unit":"{}","ops":[)",
+      rank, ::getpid(), detail::json_escape(host), unix_ms, beat, interval.count(), timeout.count(),
+      progress_step.load(std::memory_order_relaxed), detail::json_escape(what != nullptr ? what : ""),
+      noted ? (now - progress_at.load(std::memory_order_relaxed)) / 1000000 : -1,
+      in_wait ? (now - waiting_since.load(std::memory_order_relaxed)) / 1000000 : -1, std::isfinite(rate) ? rate : -1.0,
+      detail::json_escape(unit != nullptr ? unit : ""));
+  bool first = true;
+  std::lock_guard<std::mutex> lock(registry_mu());
+  for (Registration* r : registry()) {
+    if (!r->pending) continue;
+    const std::string p = r->pending();
+    if (p.empty()) continue;
+    out += (first ? "" : ",") + p;
+    first = false;
+  }
+  return out + "]}";
 }
 
 }  // namespace health

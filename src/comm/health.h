@@ -53,10 +53,12 @@ class Heartbeat {
 };
 
 /// The live groups of this process: register_group returns a token that unregisters the group
-/// when destroyed. `abort` aborts its pending operations; `json` describes it and its flight record.
+/// when destroyed. `abort` aborts its pending operations; `json` describes it and its flight
+/// record; `pending` its oldest operation not completed (JSON, empty if none: live status).
 struct Registration;
 std::shared_ptr<Registration> register_group(std::function<void(const std::string&)> abort,
-                                             std::function<std::string()> json);
+                                             std::function<std::string()> json,
+                                             std::function<std::string()> pending = nullptr);
 /// Aborts every live group of this process with `reason` (their pending operations raise).
 void abort_all(const std::string& reason);
 /// Writes every live group's flight record to DTRAIN_FLIGHT_DIR/rank-R.json (R: RANK, else
@@ -71,6 +73,12 @@ struct WaitScope {
   WaitScope(const WaitScope&) = delete;
   WaitScope& operator=(const WaitScope&) = delete;
 };
+/// This rank's live status as one JSON object (what `dtrain status` shows): the time (Unix ms),
+/// pid, host, heartbeat count, what the main work last noted (step, what, for how long), how
+/// long it has been waiting in communication, its throughput, and each live group's oldest
+/// pending operation. The heartbeat thread publishes it under PREFIX/status/RANK.
+std::string status_json(int rank, uint64_t beat, Duration interval, Duration timeout);
+
 /// Empty when the main work is fine (never noted, paused, waiting in a call, or noted within
 /// `timeout`); otherwise what it last noted and how long ago, as "<what> at step S for N ms".
 std::string progress_stall(Duration timeout);

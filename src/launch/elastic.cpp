@@ -17,12 +17,14 @@
 // still waiting home.
 // A running round ends early when elastic/(R+1)/joined becomes non-zero: a node is waiting.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +33,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/launch/launcher.h"
 #include "finish.h"
+#include "job_file.h"
 
 namespace dtrain::launch {
 
@@ -135,8 +138,12 @@ int run_elastic(const LaunchOptions& o) {
   comm::check_secret(secret, "dtrain launch --nnodes MIN:MAX: DTRAIN_SECRET");
   // Node 0's agent serves the store for the job's whole life, across rounds.
   std::unique_ptr<comm::TcpStoreServer> server;
+  std::optional<JobFile> job_file;  // for dtrain status, while this agent serves the store
   if (o.node_rank == 0) {
     server = std::make_unique<comm::TcpStoreServer>(o.master_addr, static_cast<uint16_t>(o.master_port), secret);
+    job_file.emplace(
+        JobInfo{::getpid(), o.master_addr, server->port(), secret, fmt::format("{}", fmt::join(o.command, " ")),
+                std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(), ""});
   }
   // Wait for the store (node 0's agent may start later), then talk to it with a short I/O
   // timeout: the agent polls it from the launcher's loop, which must keep serving signals.
@@ -211,6 +218,14 @@ int run_elastic(const LaunchOptions& o) {
     }
     const bool failed = !r.interrupted || other_failed;
     say(fmt::format("round {} ended: {}", round, r.report));
+    // The next round's workers record why this one ended (dtrain report's timeline).
+    const std::string why = r.cause.empty() ? r.report.substr(0, r.report.find('\n')) : r.cause;
+    ::setenv("DTRAIN_RESTART_REASON", why.c_str(), 1);
+    ::setenv("DTRAIN_RESTART_FAILED_AT",
+             std::to_string(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count())
+                 .c_str(),
+             1);
+    ::setenv("DTRAIN_RESTART_FLIGHT_DIR", r.flight_dir.c_str(), 1);
     if (failed && ++failures > o.max_restarts) {
       say(fmt::format("giving up after {} failed round{} (--max-restarts {})", failures, failures > 1 ? "s" : "",
                       o.max_restarts));

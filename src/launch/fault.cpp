@@ -25,15 +25,14 @@ namespace {
 void read_part(const std::string& part, Fault& f, bool& kind_given) {
   const size_t eq = part.find('=');
   const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
-  if (!kind_given &&
-      (part == "kill" || part == "stop" || part == "delay" || part == "drop" || part == "hang" || part == "exit")) {
+  static const std::pair<const char*, FaultKind> kinds[] = {
+      {"kill", FaultKind::kill}, {"stop", FaultKind::stop},   {"delay", FaultKind::delay},
+      {"drop", FaultKind::drop}, {"hang", FaultKind::hang},   {"exit", FaultKind::exit},
+      {"skip", FaultKind::skip}, {"extra", FaultKind::extra}, {"mismatch", FaultKind::mismatch}};
+  const auto* kind = std::find_if(std::begin(kinds), std::end(kinds), [&](const auto& k) { return part == k.first; });
+  if (!kind_given && kind != std::end(kinds)) {
     kind_given = true;
-    f.kind = part == "kill"    ? FaultKind::kill
-             : part == "stop"  ? FaultKind::stop
-             : part == "delay" ? FaultKind::delay
-             : part == "hang"  ? FaultKind::hang
-             : part == "exit"  ? FaultKind::exit
-                               : FaultKind::drop;
+    f.kind = kind->second;
   } else if (key == "ms") {
     f.ms = std::stoll(value);
   } else if (key == "rank") {
@@ -64,14 +63,15 @@ Fault parse_fault(const std::string& spec, const std::string& one) {
     } catch (const std::exception&) {
       DT_THROW("train",
                "DTRAIN_FAULT '{}': cannot read '{}' (expected "
-               "kill|stop|delay|drop|hang|exit:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A|any][:ms=M])",
+               "kill|stop|delay|drop|hang|exit|skip|extra|mismatch:rank=R:step=S[:phase=step|allreduce|checkpoint]"
+               "[:attempt=A|any][:ms=M])",
                spec, part);
     }
   }
-  DT_CHECK(
-      kind_given && f.rank >= 0 && f.step >= 1, "train",
-      "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay, drop, hang or exit) first, rank=R and step=S (S >= 1)",
-      spec, one);
+  DT_CHECK(kind_given && f.rank >= 0 && f.step >= 1, "train",
+           "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay, drop, hang, exit, skip, extra or mismatch) first, "
+           "rank=R and step=S (S >= 1)",
+           spec, one);
   DT_CHECK((f.kind == FaultKind::delay) == (f.ms > 0), "train",
            "DTRAIN_FAULT '{}': '{}': ms=M (M > 0) goes with delay, and only with delay", spec, one);
   return f;
@@ -173,8 +173,36 @@ void inject_faults(const std::vector<Fault>& faults, int64_t step, FaultPhase ph
         DT_LOG_WARN("DTRAIN_FAULT: dropping every connection of this rank (pid {}) at step {}{}", ::getpid(), step, at);
         drop_connections();
         break;
+      case FaultKind::skip:
+      case FaultKind::extra:
+      case FaultKind::mismatch:
+        break;  // at the program's next collective (collective_with_faults)
     }
   }
+}
+
+void collective_with_faults(std::vector<Fault>& faults, int64_t step, const std::function<void()>& call,
+                            const std::function<void()>& other) {
+  for (Fault& f : faults) {
+    const bool order_fault = f.kind == FaultKind::skip || f.kind == FaultKind::extra || f.kind == FaultKind::mismatch;
+    if (!order_fault || f.fired || step < f.step) continue;
+    f.fired = true;
+    switch (f.kind) {
+      case FaultKind::skip:
+        DT_LOG_WARN("DTRAIN_FAULT: this rank skips a collective at step {}", step);
+        return;
+      case FaultKind::extra:
+        DT_LOG_WARN("DTRAIN_FAULT: this rank calls a collective twice at step {}", step);
+        call();
+        call();
+        return;
+      default:
+        DT_LOG_WARN("DTRAIN_FAULT: this rank calls another collective in place of its own at step {}", step);
+        other();
+        return;
+    }
+  }
+  call();
 }
 
 }  // namespace dtrain::launch

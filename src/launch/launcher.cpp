@@ -17,13 +17,18 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "dtrain/comm/store.h"
 #include "dtrain/core/error.h"
 #include "finish.h"
 #include "flight_records.h"
+#include "job_file.h"
+#include "root_cause.h"
 
 extern char** environ;
 
@@ -217,6 +222,10 @@ namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
+// After a worker failed, how long the others get to notice and write their flight records
+// before they are asked to stop.
+constexpr std::chrono::milliseconds kRecordWait{1000};
+
 // Bad options fail here, before anything (store, signal handlers, flight directory) exists.
 void check_options(const LaunchOptions& o) {
   DT_CHECK(!o.command.empty(), "launch", "no command to run (usage: dtrain launch -n N -- PROGRAM ARGS...)");
@@ -281,15 +290,19 @@ class Launch {
   std::vector<Worker*> reap_exits();
   void fail_early_exits(std::vector<Worker*>& failed_now);
   void stop_for_failures(std::vector<Worker*>& failed_now);
+  void terminate();
+  void terminate_when_recorded();
   bool output_drained();
   void stop_all(int sig);
   SteadyClock::time_point grace_deadline() const;
   bool store_has(const std::string& key);
+  void store_set(const std::string& key, const std::string& value);
   bool joined(int rank) { return store_has(fmt::format("{}/joined/{}", world_name_, rank)); }
   bool left(int rank) { return store_has(fmt::format("{}/left/{}", world_name_, rank)); }
 
   void report();
   void explain_from_flight_records();
+  std::map<int, RankFate> rank_fates(const std::vector<FlightRecord>& records);
   void finish_nodes();
 
   const LaunchOptions& o_;
@@ -300,6 +313,7 @@ class Launch {
   int port_ = 0;
   struct sigaction old_int_ {
   }, old_term_{};
+  std::optional<JobFile> job_file_;  // for dtrain status, while this launcher serves the store
   std::string flight_dir_;
   bool keep_flight_dir_ = false;
   int world_ = 0;
@@ -309,6 +323,7 @@ class Launch {
   LaunchResult result_;
   bool stopping_ = false;
   SteadyClock::time_point stop_deadline_ = SteadyClock::time_point::max();
+  SteadyClock::time_point terminate_at_ = SteadyClock::time_point::max();  // after a failure (stop_for_failures)
   int received_signal_ = 0;
   SteadyClock::time_point all_exited_at_ = SteadyClock::time_point::max();
   // Whether a worker that exited 0 had finished: dtrain's world groups record in the store when
@@ -332,6 +347,9 @@ Launch::Launch(const LaunchOptions& o) : o_(o) {
   if (o_.node_rank == 0 && o_.serve_store) {
     server_ = std::make_unique<comm::TcpStoreServer>(o_.master_addr, static_cast<uint16_t>(port_), secret_);
     port_ = server_->port();
+    job_file_.emplace(
+        JobInfo{::getpid(), o_.master_addr, port_, secret_, fmt::format("{}", fmt::join(o_.command, " ")),
+                std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(), ""});
   }
   install_signal_handlers();
   // Removed after a clean run, kept (and named) after a failure.
@@ -368,6 +386,10 @@ void Launch::restore_signals() {
 }
 
 void Launch::start_workers() {
+  // dtrain status reads the world's name and size from the store, then each rank's status.
+  if (o_.node_rank == 0) {
+    store_set(kJobWorldKey, nlohmann::json{{"name", world_name_}, {"size", world_}}.dump());
+  }
   workers_.resize(static_cast<size_t>(o_.nproc_per_node));
   launcher_pid_ = ::getpid();
   for (int local = 0; local < o_.nproc_per_node; ++local) start_worker(local);
@@ -488,6 +510,7 @@ void Launch::supervise() {
     std::vector<Worker*> failed_now = reap_exits();
     fail_early_exits(failed_now);
     stop_for_failures(failed_now);
+    terminate_when_recorded();
     if (stopping_ && SteadyClock::now() > stop_deadline_) {
       stop_all(SIGKILL);
       stop_deadline_ = SteadyClock::time_point::max();
@@ -623,9 +646,31 @@ void Launch::stop_for_failures(std::vector<Worker*>& failed_now) {
     result_.first_failed.push_back(w->rank);
   }
   for (Worker* w : failed_now) result_.report += describe(w->exit) + "\n";
+  // The others see the failure within milliseconds (a dead peer, an aborted group, their own
+  // timeout a moment later) and write their flight records, which the root cause needs: a
+  // SIGTERM now would often come first. Wait for them, briefly (terminate_when_recorded).
+  if (!flight_dir_.empty()) {
+    terminate_at_ = SteadyClock::now() + kRecordWait;
+    return;
+  }
+  terminate();
+}
+
+// The survivors asked to stop (SIGTERM, escalated at the grace deadline).
+void Launch::terminate() {
+  terminate_at_ = SteadyClock::time_point::max();
   stop_deadline_ = grace_deadline();
   stop_all(SIGTERM);
   stop_all(SIGCONT);  // a stopped (hung) worker takes its SIGTERM now, not at the SIGKILL
+}
+
+// After a failure: every running worker wrote its flight record, or kRecordWait passed.
+void Launch::terminate_when_recorded() {
+  if (terminate_at_ == SteadyClock::time_point::max()) return;
+  const bool recorded = std::all_of(workers_.begin(), workers_.end(), [&](const Worker& w) {
+    return !w.running || ::access(fmt::format("{}/rank-{}.json", flight_dir_, w.rank).c_str(), F_OK) == 0;
+  });
+  if (recorded || SteadyClock::now() >= terminate_at_) terminate();
 }
 
 // True when every worker exited and its output is read. Every worker exited but something
@@ -687,6 +732,18 @@ bool Launch::store_has(const std::string& key) {
   return false;
 }
 
+void Launch::store_set(const std::string& key, const std::string& value) {
+  try {
+    if (!probe_) {
+      probe_ = comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(5));
+    }
+    probe_->set(key, value);
+  } catch (const std::exception& e) {
+    probe_.reset();
+    std::fprintf(stderr, "dtrain launch: cannot publish the job's world for dtrain status: %s\n", e.what());
+  }
+}
+
 // ------------------------------------------------------------------ the end
 
 // Every worker's exit in the result, the exit code, and for a failure the report.
@@ -713,12 +770,14 @@ void Launch::report() {
   if (!flight_dir_.empty() && !keep_flight_dir_) remove_directory(flight_dir_);
 }
 
-// The first to exit noticed a silent rank: that rank is the one that failed. The records'
-// summary goes into the report, and their directory is kept for the user.
+// The first to exit noticed a silent rank: that rank is the one that failed. The one-line root
+// cause (root_cause.h) goes first in the report, then the records' summary; their directory is
+// kept for the user.
 void Launch::explain_from_flight_records() {
   const std::vector<FlightRecord> records = read_flight_records(flight_dir_);
   bool stalled = false;  // its heartbeat thread beat on, but its work stood still
-  if (const int hung = silent_rank(records, &stalled); hung >= 0) {
+  const int hung = silent_rank(records, &stalled);
+  if (hung >= 0) {
     const bool ours = std::any_of(result_.workers.begin(), result_.workers.end(),
                                   [hung](const WorkerExit& w) { return w.rank == hung; });
     if (ours) {
@@ -727,11 +786,54 @@ void Launch::explain_from_flight_records() {
                                     stalled ? "made no progress (hung)" : "sent no heartbeats (stopped or hung)");
     }
   }
+  std::string cause = root_cause(records, rank_fates(records), hung, stalled);
+  if (cause.empty()) {
+    for (const auto& w : result_.workers) {
+      if (!result_.first_failed.empty() && w.rank == result_.first_failed.front()) cause = describe(w);
+    }
+  }
+  if (!cause.empty()) {
+    result_.cause = cause;
+    result_.report = fmt::format("root cause: {}\n", cause) + result_.report;
+  }
   const std::string summary = flight_summary(records);
   if (!summary.empty()) {
     result_.report += fmt::format("flight records ({}):\n{}", flight_dir_, summary);
     keep_flight_dir_ = true;  // for the user
+    result_.flight_dir = flight_dir_;
   }
+}
+
+// How each rank ended, and for those that left no flight record, the last thing their live
+// status said (published with their heartbeats).
+std::map<int, RankFate> Launch::rank_fates(const std::vector<FlightRecord>& records) {
+  std::map<int, RankFate> fates;
+  for (const auto& w : result_.workers) {
+    RankFate& f = fates[w.rank];
+    const std::string full = describe(w), prefix = fmt::format("rank {} (pid {}) ", w.rank, w.pid);
+    f.ended = full.starts_with(prefix) ? full.substr(prefix.size()) : full;
+    f.stopped_by_launcher = w.stopped_by_launcher;
+    const bool recorded = std::any_of(records.begin(), records.end(), [&](const FlightRecord& r) {
+      return r.path.ends_with(fmt::format("/rank-{}.json", w.rank));
+    });
+    if (recorded || probe_failed_) continue;
+    try {
+      if (!probe_) {
+        probe_ =
+            comm::connect_tcp_store(o_.master_addr, static_cast<uint16_t>(port_), secret_, std::chrono::seconds(2));
+      }
+      const auto text = probe_->try_get(fmt::format("{}/status/{}", world_name_, w.rank));
+      const nlohmann::json st = text ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+      if (st.is_object() && !st.value("what", "").empty()) {
+        f.last_status = fmt::format("'{}'{}", st.value("what", ""),
+                                    st.value("step", -1) >= 0 ? fmt::format(" at step {}", st.value("step", -1)) : "");
+      }
+    } catch (const std::exception&) {
+      probe_.reset();
+      probe_failed_ = true;
+    }
+  }
+  return fates;
 }
 
 // Several nodes: node 0 serves the store, so after a clean run it stays until the other

@@ -12,12 +12,12 @@
 
 namespace dtrain::train {
 
-MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
+MetricsWriter::MetricsWriter(const std::string& path, bool append) : path_(path) {
   // Lock, then truncate: a second writer must not empty the file the first one is writing.
   fd_ = open_locked_file(path, "metrics");
   DT_CHECK(fd_ >= 0, "metrics",
            "--metrics {}: another process is writing this file (a second run, or workers started without --dp?)", path);
-  if (::ftruncate(fd_, 0) != 0) {
+  if (!append && ::ftruncate(fd_, 0) != 0) {  // the file is opened O_APPEND
     const int err = errno;
     ::close(fd_);
     fd_ = -1;

@@ -10,6 +10,7 @@ namespace dtrain::train {
 namespace {
 
 constexpr uint32_t kTagTrace = 9;  // point-to-point tag on the world group: trace events to rank 0
+constexpr const char* kOriginEvent = "dtrain_clock_origin";
 
 }  // namespace
 
@@ -31,7 +32,8 @@ nlohmann::json Trace::events() const {
 
 // Every rank sends its events to rank 0, which writes them all into `path` (one process per
 // rank row), atomically and never through a symlink (write_file_atomic).
-void write_trace(const Trace& trace, const std::string& path, comm::Group* group, int rank, int world) {
+void write_trace(const Trace& trace, const std::string& path, comm::Group* group, int rank, int world,
+                 const std::string& run_id) {
   auto metadata = [](int r, int tid, const std::string& name) {
     return nlohmann::json{{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid}, {"args", {{"name", name}}}};
   };
@@ -40,6 +42,9 @@ void write_trace(const Trace& trace, const std::string& path, comm::Group* group
       {"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
   ev.push_back(metadata(rank, 0, "compute"));
   ev.push_back(metadata(rank, 1, "communication"));
+  // This rank's clock origin travels as a metadata event and ends in "otherData" (below).
+  ev.push_back(
+      nlohmann::json{{"name", kOriginEvent}, {"ph", "M"}, {"pid", rank}, {"args", {{"us", trace.origin_us()}}}});
   if (world > 1 && group != nullptr && rank != 0) {
     const std::string text = ev.dump();
     const uint64_t n = text.size();
@@ -58,7 +63,18 @@ void write_trace(const Trace& trace, const std::string& path, comm::Group* group
     DT_CHECK(part.is_array(), "train", "rank {} sent an unreadable trace", r);
     for (auto& e : part) all.push_back(std::move(e));
   }
-  write_file_atomic(path, nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() + "\n", "train");
+  nlohmann::json events = nlohmann::json::array(), origins = nlohmann::json::array();
+  for (auto& e : all) {
+    if (e.value("name", "") == kOriginEvent) {
+      origins.push_back({{"rank", e.at("pid")}, {"us", e.at("args").at("us")}});
+    } else {
+      events.push_back(std::move(e));
+    }
+  }
+  const nlohmann::json other{{"run_id", run_id}, {"world", world}, {"clock_origin_us", origins}};
+  write_file_atomic(
+      path, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}, {"otherData", other}}.dump() + "\n",
+      "train");
 }
 
 }  // namespace dtrain::train

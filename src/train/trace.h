@@ -34,6 +34,9 @@ class Trace {
                       std::max(0.0, seconds_since(start, end) * 1e6), step, bytes});
   }
   nlohmann::json events() const;
+  /// The run's start on the steady clock, in microseconds: on one host the ranks' origins align
+  /// their rows (each rank's events count from its own origin).
+  double origin_us() const { return std::chrono::duration<double, std::micro>(origin_.time_since_epoch()).count(); }
 
  private:
   struct Span {
@@ -51,6 +54,9 @@ class Trace {
 
 /// Every rank sends its events to rank 0, which writes them all into `path` (one process per
 /// rank row), atomically and never through a symlink. Collective over `group` (null: one process).
-void write_trace(const Trace& trace, const std::string& path, comm::Group* group, int rank, int world);
+/// The file's "otherData" holds `run_id` (the metrics' start record has it too) and each rank's
+/// clock origin (Trace::origin_us), for `dtrain report`.
+void write_trace(const Trace& trace, const std::string& path, comm::Group* group, int rank, int world,
+                 const std::string& run_id = "");
 
 }  // namespace dtrain::train

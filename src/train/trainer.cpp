@@ -33,6 +33,7 @@
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/train/metrics.h"
+#include "run_record.h"
 #include "same_options.h"
 #include "trace.h"
 
@@ -285,6 +286,7 @@ class Trainer {
   MetricsWriter metrics_;
   std::optional<Progress> progress_;
   std::optional<Trace> trace_;
+  std::string run_id_ = make_run_id();  // in the start record and the trace: they belong together
   // train_step
   TrainResult result_;
   double train_time_ = 0.0, compute_time_ = 0.0, comm_time_ = 0.0, wait_time_ = 0.0;
@@ -491,7 +493,9 @@ void Trainer::plan_steps() {
   unit_ = text_ ? "tok" : "samples";
   holds_loss_ = coord_.pp == cfg_.pp - 1 && coord_.tp == 0;
   if (lead_) announce();
-  metrics_ = cfg_.metrics.empty() || !lead_ ? MetricsWriter() : MetricsWriter(cfg_.metrics);
+  // A restarted job (dtrain launch --max-restarts, elastic rounds) appends to the first start's metrics.
+  metrics_ = cfg_.metrics.empty() || !lead_ ? MetricsWriter() : MetricsWriter(cfg_.metrics, restart_attempt() > 0);
+  metrics_.write(start_record(cfg_, world_, start_step_, total_steps_, run_id_));
   progress_.emplace(total_steps_, cfg_.log_every, cfg_.progress && lead_);
   trace_.emplace(!cfg_.trace.empty(), rank_, origin_);
   if (start_step_ == total_steps_) result_.final_loss = std::numeric_limits<double>::quiet_NaN();
@@ -552,6 +556,7 @@ void Trainer::train_step(int64_t step) {
   save_checkpoint(step, t1);
   if (ddp_) trace_->span("synchronize", -1, 0, ts, to, step + 1);
   trace_->span("optimizer", -1, 0, to, t1, step + 1);
+  trace_->span("step", -1, 0, t0, t1, step + 1);
   train_time_ += seconds_since(t0, t1);
   DT_CHECK(std::isfinite(step_loss), "train", "loss is {} at step {} (lr {}): training diverged", step_loss, step + 1,
            optimizer_->lr());
@@ -706,7 +711,10 @@ void Trainer::log_step(int64_t step, double step_loss) {
     if (group_) {
       // The loss lives on the last stage: average over its data-parallel replicas.
       mean = holds_loss_ ? mean / cfg_.dp : 0.0;
-      group_->all_reduce(&mean, &mean, 1, comm::DataType::f64, comm::ReduceOp::sum);
+      // DTRAIN_FAULT's skip, extra and mismatch act on this collective (launch/fault.h).
+      launch::collective_with_faults(
+          faults_, step + 1, [&] { group_->all_reduce(&mean, &mean, 1, comm::DataType::f64, comm::ReduceOp::sum); },
+          [&] { group_->broadcast(&mean, 1, comm::DataType::f64, 0); });
     }
     result_.final_loss = mean;
     metrics_.write({{"event", "log"},
@@ -714,10 +722,12 @@ void Trainer::log_step(int64_t step, double step_loss) {
                     {"epoch", epoch_ + 1},
                     {"loss", result_.final_loss},
                     {"lr", optimizer_->lr()},
-                    {text_ ? "tokens_per_s" : "samples_per_s", rate}});
+                    {text_ ? "tokens_per_s" : "samples_per_s", rate},
+                    {"time", unix_seconds()}});
     interval_loss_ = 0.0;
     interval_steps_ = 0;
   }
+  comm::note_throughput(rate, unit_);  // dtrain status
   if (lead_) {
     progress_->update(step + 1, epoch_ + 1, holds_loss_ ? step_loss : result_.final_loss, optimizer_->lr(), rate,
                       unit_);
@@ -732,7 +742,7 @@ TrainResult Trainer::finish() {
   if (lead_) progress_->finish();
   comm::note_progress("committing the last checkpoint", total_steps_);
   if (ckpt_) ckpt_->finish();  // commits a checkpoint still being written in the background
-  if (!cfg_.trace.empty()) write_trace(*trace_, cfg_.trace, group_.get(), rank_, world_);
+  if (!cfg_.trace.empty()) write_trace(*trace_, cfg_.trace, group_.get(), rank_, world_, run_id_);
   nlohmann::json record = final_record();
   if (ddp_) {
     check_replicas_agree();

@@ -185,6 +185,12 @@ int run_launch(const launch::LaunchOptions& options) {
     }
     std::fprintf(stderr, "dtrain launch: restarting all %d workers (restart %d of %d)\n", opts.nproc_per_node,
                  attempt + 1, opts.max_restarts);
+    // The restarted workers record why and when the job failed (their metrics' start record,
+    // which dtrain report marks on the run's timeline).
+    ::setenv("DTRAIN_RESTART_REASON", (r.cause.empty() ? r.report.substr(0, r.report.find('\n')) : r.cause).c_str(), 1);
+    ::setenv("DTRAIN_RESTART_FAILED_AT",
+             std::to_string(std::chrono::duration<double>(now.time_since_epoch()).count()).c_str(), 1);
+    ::setenv("DTRAIN_RESTART_FLIGHT_DIR", r.flight_dir.c_str(), 1);
   }
 }
 

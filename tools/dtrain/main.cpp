@@ -1,4 +1,4 @@
-// dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan, sweep.
+// dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan, sweep, status, report.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -11,6 +11,8 @@
 #include "dtrain/core/error.h"
 #include "dtrain/launch/launcher.h"
 #include "plan_command.h"
+#include "report_command.h"
+#include "status_command.h"
 #include "sweep_command.h"
 
 // Only CLI11's ConstructionError can escape, while the options are declared: a programming error
@@ -150,6 +152,16 @@ int main(int argc, char** argv) {
   CLI::App* sweep = app.add_subcommand("sweep", "hyperparameter search over dtrain train options: grid, random, asha");
   dtrain::tools::add_sweep_options(*sweep, sweep_opts);
 
+  dtrain::tools::StatusOptions status_opts;
+  CLI::App* status = app.add_subcommand(
+      "status", "what every rank of a running job does now: step, operation and for how long, heartbeat, throughput");
+  dtrain::tools::add_status_options(*status, status_opts);
+
+  dtrain::tools::ReportOptions report_opts;
+  CLI::App* report = app.add_subcommand(
+      "report", "one self-contained HTML page of one or more runs: curves, time per rank, pipeline, faults");
+  dtrain::tools::add_report_options(*report, report_opts);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -171,6 +183,8 @@ int main(int argc, char** argv) {
       return dtrain::tools::run_bench_pipeline(pipe_opts, std::vector<std::string>(argv, argv + argc));
     if (plan->parsed()) return dtrain::tools::run_plan(*plan, plan_opts, std::vector<std::string>(argv, argv + argc));
     if (sweep->parsed()) return dtrain::tools::run_sweep(*sweep, sweep_opts);
+    if (status->parsed()) return dtrain::tools::run_status(status_opts);
+    if (report->parsed()) return dtrain::tools::run_report(report_opts);
   } catch (const dtrain::Error& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.what());
     std::fflush(stderr);

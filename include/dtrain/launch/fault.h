@@ -14,12 +14,19 @@
 //   hang   block its main thread for good, as a read from a stuck file system does, while its
 //          heartbeat thread beats on (only the progress watch can tell, comm/progress.h);
 //   exit   exit(0) in the middle of the job (a script that returns early: its peers would wait).
+// Three kinds break the order of collectives, at the first collective that the program routes
+// through collective_with_faults at or after step S (the trainer: the loss all_reduce of a
+// logging step, on the world group):
+//   skip      the rank does not call it (its peers wait in it);
+//   extra     the rank calls it twice (one call its peers never make);
+//   mismatch  the rank calls another collective in its place (a broadcast for an all_reduce).
 // A delay is a straggler that still makes progress (it notes progress while it sleeps).
 // Only on start A of the job (DTRAIN_RESTART, default 0), so that a restarted job runs through;
 // attempt=any fires on every start (a worker that cannot come back).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,7 +34,7 @@ namespace dtrain::launch {
 
 /// Where in a step a fault fires.
 enum class FaultPhase { step, allreduce, checkpoint };
-enum class FaultKind { kill, stop, delay, drop, hang, exit };
+enum class FaultKind { kill, stop, delay, drop, hang, exit, skip, extra, mismatch };
 
 struct Fault {
   FaultKind kind = FaultKind::kill;
@@ -35,7 +42,8 @@ struct Fault {
   int rank = -1;
   int64_t step = -1;  // 1-based
   FaultPhase phase = FaultPhase::step;
-  int attempt = 0;  // -1: every start
+  int attempt = 0;     // -1: every start
+  bool fired = false;  // skip, extra, mismatch: acted on already
 };
 
 /// The faults of `spec` (DTRAIN_FAULT's syntax, above) that rank `rank` acts on in start
@@ -51,7 +59,13 @@ std::vector<Fault> parse_all_faults(const std::string& spec);
 std::vector<Fault> faults_from_env(int rank);
 
 /// Acts on every one of `faults` planned for `step` at `phase` (kill, exit and hang do not
-/// return).
+/// return). Leaves skip, extra and mismatch to collective_with_faults.
 void inject_faults(const std::vector<Fault>& faults, int64_t step, FaultPhase phase);
+
+/// A collective of the program at `step`: runs `call` once, unless a skip, extra or mismatch
+/// fault of `faults` is due (planned at or before `step`, not fired yet): then nothing, `call`
+/// twice, or `other` (another collective over the same group) instead. Marks it fired.
+void collective_with_faults(std::vector<Fault>& faults, int64_t step, const std::function<void()>& call,
+                            const std::function<void()>& other);
 
 }  // namespace dtrain::launch

@@ -62,6 +62,10 @@ struct LaunchResult {
   /// fail, else every worker that failed first (same poll interval).
   std::vector<int> first_failed;
   int received_signal = 0;  // the launcher itself was told to stop (SIGINT, SIGTERM)
+  /// A failure's cause in one line (also the report's first line): the first sequence number
+  /// where the ranks' flight records diverge, the operation, who never arrived; else who failed.
+  std::string cause;
+  std::string flight_dir;  // where the failure's flight records were kept (empty: none)
 };
 
 /// One logical CPU the launcher may use, with its place in the machine (from sysfs; -1 when

@@ -14,8 +14,9 @@ class MetricsWriter {
  public:
   MetricsWriter() = default;
   /// Opens `path` (never through a symlink) and takes an exclusive lock on it: a second process
-  /// writing the same file is refused, naming it, instead of interleaving its lines.
-  explicit MetricsWriter(const std::string& path);
+  /// writing the same file is refused, naming it, instead of interleaving its lines. Empties it
+  /// unless `append` (a restarted job goes on with its first start's records).
+  explicit MetricsWriter(const std::string& path, bool append = false);
   ~MetricsWriter();
   MetricsWriter(MetricsWriter&& other) noexcept;
   MetricsWriter& operator=(MetricsWriter&& other) noexcept;
