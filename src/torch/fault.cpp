@@ -18,12 +18,44 @@ namespace {
 
 using launch::FaultKind;
 
+// A kind's name and whether a torch job can act on it. Every kind is listed (no default), so a
+// new one must be decided on here.
+struct KindInfo {
+  const char* name;
+  bool applies;
+};
+KindInfo info(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kill:
+      return {"kill", true};
+    case FaultKind::stop:
+      return {"stop", true};
+    case FaultKind::delay:
+      return {"delay", true};
+    case FaultKind::exit:
+      return {"exit", true};
+    // At points of dtrain's trainer (its step loop, its loss all_reduce) a torch job does not have.
+    case FaultKind::drop:
+      return {"drop", false};
+    case FaultKind::hang:
+      return {"hang", false};
+    case FaultKind::skip:
+      return {"skip", false};
+    case FaultKind::extra:
+      return {"extra", false};
+    case FaultKind::mismatch:
+      return {"mismatch", false};
+  }
+  return {"?", false};
+}
+
 // Refuses `f` of `spec` when a torch job has no point to act on it at.
 void check_applies(const std::string& spec, const launch::Fault& f) {
-  DT_CHECK(f.kind != FaultKind::drop && f.kind != FaultKind::hang, "torch",
+  const KindInfo kind = info(f.kind);
+  DT_CHECK(kind.applies, "torch",
            "DTRAIN_FAULT '{}': {} (rank {}, step {}) cannot act in a PyTorch job: use kill, stop, delay or exit "
            "(a step is a collective of the world here)",
-           spec, f.kind == FaultKind::drop ? "drop" : "hang", f.rank, f.step);
+           spec, kind.name, f.rank, f.step);
   DT_CHECK(f.phase == launch::FaultPhase::step, "torch",
            "DTRAIN_FAULT '{}': phase={} (rank {}, step {}) means nothing in a PyTorch job, which has no gradient "
            "all_reduce or checkpoint of dtrain's trainer: leave phase out (a step is a collective of the world here)",
@@ -70,6 +102,9 @@ void FaultPlan::at_collective(uint64_t n) const {
         std::_Exit(0);  // not exit(): Python's and torch's threads are still running
       case FaultKind::drop:
       case FaultKind::hang:
+      case FaultKind::skip:
+      case FaultKind::extra:
+      case FaultKind::mismatch:
         break;  // refused by from_env
     }
   }

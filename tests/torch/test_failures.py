@@ -7,7 +7,8 @@
    (3 s here), naming it. (gloo: printed.)
 3. DTRAIN_FAULT=kill:rank=1:step=3 (a step is a collective of the world in a torch job): rank 1
    dies as it issues its third all_reduce; rank 0 raises naming it. A spec with a kind a torch
-   job cannot act on (drop, hang, phase=allreduce|checkpoint), or a malformed one, is refused by
+   job cannot act on (drop, hang, skip, extra, mismatch, phase=allreduce|checkpoint), or a
+   malformed one, is refused by
    init_process_group on every rank, whichever rank it names.
 4. rank 0 calls all_reduce while rank 1 calls broadcast: both ranks raise, each naming both
    operations, and each writes its flight record (DTRAIN_FLIGHT_DIR/rank-R.json) naming the
@@ -108,6 +109,9 @@ REFUSED_FAULTS = (
     ("drop:rank=1:step=2", ("'drop:rank=1:step=2'", "drop", "PyTorch job")),
     ("kill:rank=0:step=4,hang:rank=1:step=2", ("hang", "PyTorch job")),
     ("kill:rank=1:step=2:phase=allreduce", ("phase=allreduce", "PyTorch job")),
+    ("skip:rank=1:step=2", ("skip", "PyTorch job")),
+    ("extra:rank=0:step=1", ("extra", "PyTorch job")),
+    ("mismatch:rank=1:step=3", ("mismatch", "PyTorch job")),
     ("delay:rank=1:step=1:ms=5:phase=checkpoint", ("phase=checkpoint", "PyTorch job")),
     ("kill:rank=1", ("'kill:rank=1'", "step=S", "PyTorch job")),
 )
