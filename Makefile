@@ -3,7 +3,7 @@ PRESET ?= release
 BUILD := build/$(PRESET)
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps build test test-asan fuzz demo bench clean format format-check lint
+.PHONY: all deps build test test-asan fuzz demo bench clean format format-check lint install examples
 
 all: build
 
@@ -13,6 +13,18 @@ deps:
 build: deps
 	@cmake --preset $(PRESET) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
+
+# Installs the tool, headers, libraries, CMake package and pkg-config files under PREFIX
+# (cmake/install.cmake), e.g. make install PREFIX=/opt/dtrain
+PREFIX ?= /usr/local
+install: build
+	@cmake --install $(BUILD) --prefix $(PREFIX)
+
+# examples/ built as an outside project against an install in build/prefix: build/examples/.
+examples: build
+	@cmake --install $(BUILD) --prefix $(abspath build/prefix) >/dev/null
+	@cmake -S examples -B build/examples -G Ninja -DCMAKE_PREFIX_PATH=$(abspath build/prefix) >/dev/null
+	@cmake --build build/examples -j $(JOBS)
 
 # The formatting check, every test of the release build, then a bounded libFuzzer run (the CI run).
 test: build format-check

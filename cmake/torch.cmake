@@ -36,9 +36,15 @@ message(STATUS "dtrain: torch.distributed backend dtrain_torch for ${Python3_EXE
 
 # libtorch's imported targets carry its include directories, which CMake passes as -isystem:
 # their warnings do not trip -Werror.
-add_library(dtrain_torch STATIC src/torch/fault.cpp src/torch/process_group.cpp src/torch/store.cpp src/torch/work.cpp)
-target_link_libraries(dtrain_torch PUBLIC dtrain_comm torch PRIVATE dtrain_launch)
+# DistributedDataParallel (src/torch/ddp.cpp) runs on dtrain_parallel's gradient Reducer; DTRAIN_FAULT
+# is read by dtrain_launch's parser (src/torch/fault.cpp).
+add_library(dtrain_torch STATIC src/torch/ddp.cpp src/torch/fault.cpp src/torch/process_group.cpp src/torch/store.cpp
+                                src/torch/work.cpp)
+target_link_libraries(dtrain_torch PUBLIC dtrain_comm dtrain_parallel torch PRIVATE dtrain_launch)
 target_compile_options(dtrain_torch PRIVATE -O2)
+set(DTRAIN_HEADER_CHECK_ONLY "dtrain/torch/*")
+dtrain_header_check(dtrain_torch_header_check "" dtrain_torch)
+unset(DTRAIN_HEADER_CHECK_ONLY)
 
 set(DTRAIN_TORCH_PACKAGE_DIR ${PROJECT_BINARY_DIR}/python/dtrain_torch)
 pybind11_add_module(dtrain_torch_python MODULE NO_EXTRAS python/dtrain_torch/module.cpp)
@@ -64,6 +70,16 @@ set(DTRAIN_TORCH_INSTALL_DIR lib/python${Python3_VERSION_MAJOR}.${Python3_VERSIO
     CACHE PATH "where cmake --install puts the dtrain_torch package (relative: under CMAKE_INSTALL_PREFIX)")
 install(TARGETS dtrain_torch_python LIBRARY DESTINATION ${DTRAIN_TORCH_INSTALL_DIR}/dtrain_torch)
 install(FILES ${DTRAIN_TORCH_PY} DESTINATION ${DTRAIN_TORCH_INSTALL_DIR}/dtrain_torch)
+
+# Tests of DistributedDataParallel for libtorch: ranks as threads (GoogleTest).
+if(DTRAIN_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+  include(GoogleTest)
+  add_executable(dtrain_torch_tests tests/torch/libtorch_ddp_test.cpp)
+  target_include_directories(dtrain_torch_tests PRIVATE tests)
+  target_link_libraries(dtrain_torch_tests PRIVATE dtrain_torch GTest::gtest GTest::gtest_main Threads::Threads)
+  gtest_discover_tests(dtrain_torch_tests DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 300 ENVIRONMENT OMP_NUM_THREADS=1)
+endif()
 
 # Tests: PyTorch programs against gloo (tests/torch), each a CTest test run by the same Python,
 # which must have PyTorch (python3-torch, python3-torchvision).

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "dtrain/core/error.h"
+#include "dtrain/parallel/replicate.h"
 #include "dtrain/tensor/autograd.h"
 
 namespace dtrain::parallel {
@@ -24,15 +25,6 @@ Tensor view_of(const BufferView& v, const Shape& shape) { return Tensor::borrow(
 std::shared_ptr<void> tensor_storage(size_t bytes) {
   Tensor t = Tensor::empty({static_cast<int64_t>(bytes / sizeof(float))});
   return std::shared_ptr<void>(t.impl_ptr(), t.raw_data());
-}
-
-uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934665603ull) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 }  // namespace
@@ -132,38 +124,11 @@ size_t DataParallel::num_buckets() const { return impl_->reducer->num_buckets();
 
 void DataParallel::broadcast_parameters() {
   Impl& d = *impl_;
-  comm::Group& group = d.group();
-  const int world = group.size();
-  // Same model everywhere? Compare (tensors, elements, hash of names and shapes).
-  uint64_t shape_hash = fnv1a("", 0);
-  int64_t elements = 0;
-  for (const auto& [name, t] : d.params) {
-    shape_hash = fnv1a(name.data(), name.size(), shape_hash);
-    for (int64_t s : t.shape()) shape_hash = fnv1a(&s, sizeof(s), shape_hash);
-    elements += t.numel();
-  }
-  std::vector<int64_t> mine = {static_cast<int64_t>(d.params.size()), elements, static_cast<int64_t>(shape_hash)};
-  std::vector<int64_t> all(3 * static_cast<size_t>(world));
-  group.all_gather(mine.data(), all.data(), 3, DataType::i64);
-  for (int r = 1; r < world; ++r) {
-    const int64_t* o = &all[3 * static_cast<size_t>(r)];
-    DT_CHECK(o[0] == all[0] && o[1] == all[1] && o[2] == all[2], "ddp",
-             "rank {}'s model differs from rank 0's: {} parameters in {} tensors vs {} in {} (or different names or "
-             "shapes); every rank must build the same model (same --model, --hidden, --layers, --width ...)",
-             r, o[1], o[0], all[1], all[0]);
-  }
-  if (!d.reducer->shares_values()) {  // shared values: every rank's tensors are rank 0's values already
-    for (auto& [name, t] : d.params) group.broadcast(t.data(), static_cast<size_t>(t.numel()), DataType::f32, 0);
-  }
-  uint64_t h = fnv1a("", 0);
-  for (const auto& [name, t] : d.params) h = fnv1a(t.data(), static_cast<size_t>(t.numel()) * sizeof(float), h);
-  std::vector<uint64_t> hashes(static_cast<size_t>(world));
-  group.all_gather(&h, hashes.data(), 1, DataType::i64);
-  for (int r = 1; r < world; ++r) {
-    DT_CHECK(hashes[static_cast<size_t>(r)] == hashes[0], "ddp",
-             "after the broadcast rank {}'s parameters differ from rank 0's (digest {:016x} vs {:016x})", r,
-             hashes[static_cast<size_t>(r)], hashes[0]);
-  }
+  std::vector<ReplicaTensor> tensors;
+  for (auto& [name, t] : d.params) tensors.push_back({name, t.data(), t.shape(), sizeof(float)});
+  // Shared values: every rank's tensors are rank 0's values already.
+  replicate_from_rank0(d.group(), tensors, !d.reducer->shares_values(),
+                       " (same --model, --hidden, --layers, --width ...)");
 }
 
 void DataParallel::set_sync(bool on) { impl_->sync = on; }
