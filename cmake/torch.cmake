@@ -36,10 +36,11 @@ message(STATUS "dtrain: torch.distributed backend dtrain_torch for ${Python3_EXE
 
 # libtorch's imported targets carry its include directories, which CMake passes as -isystem:
 # their warnings do not trip -Werror.
-# DistributedDataParallel (src/torch/ddp.cpp) runs on dtrain_parallel's gradient Reducer.
+# DistributedDataParallel (src/torch/ddp.cpp) runs on dtrain_parallel's gradient Reducer; DTRAIN_FAULT
+# is read by dtrain_launch's parser (src/torch/fault.cpp).
 add_library(dtrain_torch STATIC src/torch/ddp.cpp src/torch/fault.cpp src/torch/process_group.cpp src/torch/store.cpp
                                 src/torch/work.cpp)
-target_link_libraries(dtrain_torch PUBLIC dtrain_comm dtrain_parallel torch)
+target_link_libraries(dtrain_torch PUBLIC dtrain_comm dtrain_parallel torch PRIVATE dtrain_launch)
 target_compile_options(dtrain_torch PRIVATE -O2)
 set(DTRAIN_HEADER_CHECK_ONLY "dtrain/torch/*")
 dtrain_header_check(dtrain_torch_header_check "" dtrain_torch)

@@ -1,4 +1,4 @@
-// Fuzz target for the TCP store's wire decoder (src/comm/net.h, namespace store_wire): the
+// Fuzz target for the TCP store's wire decoder (src/comm/store/store_wire.h): the
 // bytes a TcpStoreServer reads from an authenticated client, and those a client reads back.
 //
 // Checked on every input, beyond "no crash, no sanitizer report":
@@ -13,7 +13,7 @@
 #include <cstring>
 #include <string>
 
-#include "../src/comm/net.h"
+#include "../src/comm/store/store_wire.h"
 
 namespace wire = dtrain::comm::net::store_wire;
 

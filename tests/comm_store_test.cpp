@@ -19,8 +19,9 @@
 #include <thread>
 #include <vector>
 
-#include "../src/comm/auth.h"
-#include "../src/comm/net.h"
+#include "../src/comm/store/auth.h"
+#include "../src/comm/store/store_wire.h"
+#include "../src/comm/tcp/net.h"
 #include "comm_test_util.h"
 #include "dtrain/comm/store.h"
 

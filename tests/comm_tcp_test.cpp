@@ -23,9 +23,9 @@
 #include <thread>
 #include <vector>
 
-#include "../src/comm/auth.h"
-#include "../src/comm/net.h"
-#include "../src/comm/tcp_wire.h"
+#include "../src/comm/store/auth.h"
+#include "../src/comm/tcp/net.h"
+#include "../src/comm/tcp/tcp_wire.h"
 #include "comm_test_util.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/store.h"

@@ -20,6 +20,7 @@ using dtrain::launch::FaultKind;
 using dtrain::launch::FaultPhase;
 using dtrain::launch::faults_from_env;
 using dtrain::launch::inject_faults;
+using dtrain::launch::parse_all_faults;
 using dtrain::launch::parse_faults;
 
 // The message of the dtrain::Error that parsing `spec` raises ("" when it does not).
@@ -70,6 +71,21 @@ TEST(Fault, ReadsTheFaultsOfOneRankOnOneStart) {
 
   EXPECT_TRUE(parse_faults(kSpec, 3, 0).empty());
   EXPECT_TRUE(parse_faults("", 0, 0).empty());
+}
+
+TEST(Fault, ReadsEveryFaultOfASpecWhateverRankAndStart) {
+  const std::vector<Fault> all = parse_all_faults(kSpec);
+  ASSERT_EQ(all.size(), 6u);
+  const FaultKind kinds[] = {FaultKind::kill, FaultKind::delay, FaultKind::stop,
+                             FaultKind::exit, FaultKind::drop,  FaultKind::hang};
+  const int ranks[] = {1, 0, 1, 1, 2, 2};
+  for (size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(all[i].kind, kinds[i]) << i;
+    EXPECT_EQ(all[i].rank, ranks[i]) << i;
+  }
+  EXPECT_EQ(all[3].attempt, 2);
+  EXPECT_TRUE(parse_all_faults("").empty());
+  EXPECT_THROW(parse_all_faults("kill:rank=0:step=1,bogus:rank=1:step=2"), dtrain::Error);
 }
 
 TEST(Fault, RefusesASpecItCannotReadNamingThePart) {

@@ -170,7 +170,7 @@ std::string checkpoint_damage(const std::string& dir, int64_t step, const nlohma
   bool missing = false;
   const std::string unreadable = read_regular_file(sd + "/manifest.json", &text, &missing);
   if (!unreadable.empty() && !missing) return fmt::format("manifest.json: {}", unreadable);
-  const std::string bad = parse_manifest(text, step, compatible, &files, layout);
+  std::string bad = parse_manifest(text, step, compatible, &files, layout);
   if (!bad.empty()) return bad;
   for (size_t r = 0; r < files.size(); ++r) {
     const ManifestFile& f = files[r];

@@ -14,7 +14,7 @@
 #include "dtrain/comm/mpi.h"
 #include "dtrain/core/log.h"
 #include "group_impl.h"
-#include "net.h"
+#include "tcp/net.h"
 
 namespace dtrain::comm {
 
@@ -159,7 +159,7 @@ HostMap meet_hosts(Store& store, const std::string& name, int rank, int size, co
   return m;
 }
 
-Group create_group(std::shared_ptr<Store> store, int rank, int size, GroupOptions given, const std::string& name,
+Group create_group(const std::shared_ptr<Store>& store, int rank, int size, GroupOptions given, const std::string& name,
                    const Environment& env) {
   DT_CHECK(store != nullptr, "comm", "Group::create: no store");
   DT_CHECK(size >= 1 && rank >= 0 && rank < size, "comm", "Group::create: rank {} of size {}", rank, size);
@@ -245,8 +245,9 @@ const char* first_set(std::initializer_list<const char*> vars) {
 
 }  // namespace
 
-Group Group::create(std::shared_ptr<Store> store, int rank, int size, GroupOptions options, const std::string& name) {
-  return create_group(std::move(store), rank, size, std::move(options), name, Environment::read());
+Group Group::create(const std::shared_ptr<Store>& store, int rank, int size, GroupOptions options,
+                    const std::string& name) {
+  return create_group(store, rank, size, std::move(options), name, Environment::read());
 }
 
 Group Group::from_env(GroupOptions options) {

@@ -59,10 +59,10 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 
-void copy_streaming(void* dst_, const void* src_, size_t bytes) {
+void copy_streaming(void* to, const void* from, size_t bytes) {
 #if defined(__AVX2__)
-  auto* dst = static_cast<char*>(dst_);
-  const auto* src = static_cast<const char*>(src_);
+  auto* dst = static_cast<char*>(to);
+  const auto* src = static_cast<const char*>(from);
   const size_t head = std::min(bytes, static_cast<size_t>(-reinterpret_cast<uintptr_t>(dst) & 31));
   std::memcpy(dst, src, head);  // then dst is 32-byte aligned, as streaming stores need
   dst += head, src += head, bytes -= head;

@@ -230,11 +230,12 @@ Work Executor::dispatch(const std::string& op, bool collective, bool blocking, B
     cv_.notify_all();
     return Work(state);
   }
+  // `body` was moved into the queue only when run_now is false, and then this returned above.
   if (blocking) {
     const health::WaitScope waiting;
-    execute_task(state, body);
+    execute_task(state, body);  // NOLINT(bugprone-use-after-move): not moved on this path (above)
   } else {
-    execute_task(state, body);
+    execute_task(state, body);  // NOLINT(bugprone-use-after-move): not moved on this path (above)
   }
   for (int pass = 0; !blocking && pass < 8 && !inflight_.empty(); ++pass) poll_inflight();
   bool wake = false;

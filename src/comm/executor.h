@@ -117,7 +117,7 @@ class Executor {
   Duration timeout() const { return timeout_; }
 
  private:
-  // A queued operation; a p2p one leaves its request in flight through leave_in_flight().
+  // A queued operation; a p2p one leaves its request in flight by setting pending_post_.
   struct Task {
     std::shared_ptr<Work::State> state;
     Body body;
@@ -200,7 +200,7 @@ bool Executor::run_inline(const char* op, size_t bytes, int peer, F&& body) {
   if (!begin_inline(&seq)) return false;
   // Recorded once it ended (one clock read and one lock on this latency path): a failure or a
   // timeout still ends it, so the record dumped on failure has it. The coarse clock (a third
-  // of a precise read; 2-vCPU EPYC VM: 10 against 33 ns) lags by up to one tick: the record's
+  // of a precise read: docs/measurements.md) lags by up to one tick: the record's
   // start is at most that early, the deadline is pushed one tick later so that it never
   // comes early.
   const auto [start, tick] = coarse_now();

@@ -117,7 +117,8 @@ Group Group::split(int color, int key, const GroupOptions& requested) const {
   if (color < 0) return Group();
   std::vector<std::pair<std::pair<int, int>, int>> members;  // ((key, rank), rank)
   for (int r = 0; r < n; ++r) {
-    if (all[2 * r] == color) members.push_back({{all[2 * r + 1], r}, r});
+    const size_t at = 2 * static_cast<size_t>(r);
+    if (all[at] == color) members.push_back({{all[at + 1], r}, r});
   }
   std::sort(members.begin(), members.end());
   int new_rank = -1;

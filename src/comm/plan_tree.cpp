@@ -25,7 +25,8 @@ namespace dtrain::comm::detail {
 namespace {
 
 struct Tree {
-  Tree(int rank_, int size_, int root_) : rank(rank_), size(size_), root(root_), levels(ceil_log2(size_)) {
+  Tree(int my_rank, int group_size, int root_rank)
+      : rank(my_rank), size(group_size), root(root_rank), levels(ceil_log2(group_size)) {
     v = mod(rank - root, size);
   }
   int abs(int rel) const { return mod(rel + root, size); }

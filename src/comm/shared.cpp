@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 
 #include "group_impl.h"
-#include "shm_segment.h"
+#include "shm/shm_segment.h"
 
 namespace dtrain::comm {
 

@@ -10,7 +10,6 @@ size_t size_of(DataType t) {
     case DataType::f32:
       return 4;
     case DataType::bf16:
-      return 2;
     case DataType::f16:
       return 2;
     case DataType::f64:

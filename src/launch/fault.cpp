@@ -115,7 +115,7 @@ void hang(int64_t step) {
 
 }  // namespace
 
-std::vector<Fault> parse_faults(const std::string& spec, int rank, int attempt) {
+std::vector<Fault> parse_all_faults(const std::string& spec) {
   std::vector<Fault> out;
   if (spec.empty()) return out;
   size_t at = 0;
@@ -123,7 +123,14 @@ std::vector<Fault> parse_faults(const std::string& spec, int rank, int attempt) 
     const size_t comma = std::min(spec.find(',', at), spec.size());
     const std::string one = spec.substr(at, comma - at);
     at = comma + 1;
-    const Fault f = parse_fault(spec, one);
+    out.push_back(parse_fault(spec, one));
+  }
+  return out;
+}
+
+std::vector<Fault> parse_faults(const std::string& spec, int rank, int attempt) {
+  std::vector<Fault> out;
+  for (const Fault& f : parse_all_faults(spec)) {
     if (f.rank == rank && (f.attempt == attempt || f.attempt < 0)) out.push_back(f);
   }
   return out;

@@ -26,9 +26,9 @@ std::vector<FlightRecord> read_flight_records(const std::string& dir) {
   });
   std::vector<FlightRecord> out;
   for (const std::string& name : files) {
-    std::ifstream in(dir + "/" + name);
-    out.push_back(
-        {dir + "/" + name, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())});
+    const std::string path = fmt::format("{}/{}", dir, name);
+    std::ifstream in(path);
+    out.push_back({path, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())});
   }
   return out;
 }

@@ -102,7 +102,9 @@ std::vector<JobInfo> find_jobs() {
   }
   ::closedir(d);
   for (const std::string& name : names) {
-    const std::string path = dir + "/" + name;
+    std::string path = dir;
+    path += '/';
+    path += name;
     struct stat st {};
     if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
       continue;  // not a job file of ours as we write them

@@ -114,7 +114,7 @@ struct Worker {
 
 // The longest line kept whole: a longer one (a worker printing without newlines) is written in
 // pieces of this size, so the launcher's memory stays bounded whatever the workers print.
-constexpr size_t kMaxLine = 64 * 1024;
+constexpr size_t kMaxLine = size_t{64} * 1024;
 
 // Writes complete lines of `buf` to `fd`, each prefixed; keeps the unfinished tail, up to
 // kMaxLine bytes (then written as a piece of its own; `*split` set the first time).
@@ -523,7 +523,7 @@ void Launch::supervise() {
 void Launch::forward_signals() {
   char c;
   while (::read(g_signal_pipe[0], &c, 1) == 1) {
-    received_signal_ = c;
+    received_signal_ = static_cast<unsigned char>(c);  // a signal number, 1..64
     if (!stopping_) {
       stopping_ = true;
       stop_deadline_ = grace_deadline();

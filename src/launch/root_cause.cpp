@@ -49,6 +49,7 @@ double number_or(const nlohmann::json& j, const char* key, double fallback) {
 // "rank 2", "ranks 0 and 1", "ranks 0, 1 and 3" (-1: a rank whose world rank is unknown).
 std::string ranks_text(const std::vector<int>& ranks) {
   std::vector<std::string> names;
+  names.reserve(ranks.size());
   for (int r : ranks) names.push_back(r >= 0 ? std::to_string(r) : std::string("?"));
   if (names.size() == 1) return "rank " + names[0];
   std::string out = "ranks ";
@@ -113,6 +114,7 @@ std::vector<GroupView> read_groups(const std::vector<FlightRecord>& records, std
     }
   }
   std::vector<GroupView> out;
+  out.reserve(groups.size());
   for (auto& [name, g] : groups) out.push_back(std::move(g));
   return out;
 }

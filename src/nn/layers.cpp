@@ -16,7 +16,7 @@ Linear::Linear(int64_t in, int64_t out, bool with_bias, Generator& gen) {
 
 Tensor Linear::forward(const Tensor& x) { return ops::linear(x, weight, bias); }
 
-LayerNorm::LayerNorm(int64_t width, float eps_) : eps(eps_) {
+LayerNorm::LayerNorm(int64_t width, float epsilon) : eps(epsilon) {
   weight = register_parameter("weight", Tensor::ones({width}));
   bias = register_parameter("bias", Tensor::zeros({width}));
 }

@@ -296,6 +296,7 @@ std::vector<nn::NamedTensor> DataParallel::compression_state() const {
 
 void DataParallel::load_compression_state(const std::vector<nn::NamedTensor>& state) {
   std::vector<StateEntry> entries;
+  entries.reserve(state.size());
   for (const auto& [name, t] : state) entries.push_back({name, t.shape(), t.to_vector()});
   impl_->reducer->load_state(entries);
 }

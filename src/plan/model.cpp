@@ -145,10 +145,10 @@ ModelSpec gpt_by_params(double params, int64_t seq_len, int64_t vocab, int64_t l
     double params;
     int64_t layers, width, heads;
   };
-  static const Shape kShapes[] = {{125e6, 12, 768, 12},  {350e6, 24, 1024, 16}, {760e6, 24, 1536, 16},
-                                  {1.3e9, 24, 2048, 16}, {2.7e9, 32, 2560, 32}, {6.7e9, 32, 4096, 32},
-                                  {13e9, 40, 5120, 40},  {30e9, 48, 7168, 56},  {70e9, 80, 8192, 64},
-                                  {175e9, 96, 12288, 96}};
+  static constexpr Shape kShapes[] = {{125e6, 12, 768, 12},  {350e6, 24, 1024, 16}, {760e6, 24, 1536, 16},
+                                      {1.3e9, 24, 2048, 16}, {2.7e9, 32, 2560, 32}, {6.7e9, 32, 4096, 32},
+                                      {13e9, 40, 5120, 40},  {30e9, 48, 7168, 56},  {70e9, 80, 8192, 64},
+                                      {175e9, 96, 12288, 96}};
   if (layers <= 0 || width <= 0) {
     const Shape* best = nullptr;
     for (const Shape& s : kShapes) {

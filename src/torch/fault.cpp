@@ -6,7 +6,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -15,82 +14,98 @@
 
 namespace dtrain::torch_backend {
 
+namespace {
+
+using launch::FaultKind;
+
+// A kind's name and whether a torch job can act on it. Every kind is listed (no default), so a
+// new one must be decided on here.
+struct KindInfo {
+  const char* name;
+  bool applies;
+};
+KindInfo info(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kill:
+      return {"kill", true};
+    case FaultKind::stop:
+      return {"stop", true};
+    case FaultKind::delay:
+      return {"delay", true};
+    case FaultKind::exit:
+      return {"exit", true};
+    // At points of dtrain's trainer (its step loop, its loss all_reduce) a torch job does not have.
+    case FaultKind::drop:
+      return {"drop", false};
+    case FaultKind::hang:
+      return {"hang", false};
+    case FaultKind::skip:
+      return {"skip", false};
+    case FaultKind::extra:
+      return {"extra", false};
+    case FaultKind::mismatch:
+      return {"mismatch", false};
+  }
+  return {"?", false};
+}
+
+// Refuses `f` of `spec` when a torch job has no point to act on it at.
+void check_applies(const std::string& spec, const launch::Fault& f) {
+  const KindInfo kind = info(f.kind);
+  DT_CHECK(kind.applies, "torch",
+           "DTRAIN_FAULT '{}': {} (rank {}, step {}) cannot act in a PyTorch job: use kill, stop, delay or exit "
+           "(a step is a collective of the world here)",
+           spec, kind.name, f.rank, f.step);
+  DT_CHECK(f.phase == launch::FaultPhase::step, "torch",
+           "DTRAIN_FAULT '{}': phase={} (rank {}, step {}) means nothing in a PyTorch job, which has no gradient "
+           "all_reduce or checkpoint of dtrain's trainer: leave phase out (a step is a collective of the world here)",
+           spec, f.phase == launch::FaultPhase::allreduce ? "allreduce" : "checkpoint", f.rank, f.step);
+}
+
+}  // namespace
+
 FaultPlan FaultPlan::from_env(int rank) {
   FaultPlan plan;
   const char* spec = std::getenv("DTRAIN_FAULT");
   if (spec == nullptr || *spec == '\0') return plan;
-  const char* restart = std::getenv("DTRAIN_RESTART");
-  const int attempt = restart != nullptr ? std::atoi(restart) : 0;
-  const std::string all = spec;
-  size_t at = 0;
-  while (at <= all.size()) {
-    const size_t comma = std::min(all.find(',', at), all.size());
-    const std::string one = all.substr(at, comma - at);
-    at = comma + 1;
-    Fault f;
-    bool kind_given = false;
-    int who = -1, when = 0;
-    for (size_t p = 0; p <= one.size();) {
-      const size_t colon = std::min(one.find(':', p), one.size());
-      const std::string part = one.substr(p, colon - p);
-      p = colon + 1;
-      const size_t eq = part.find('=');
-      const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
-      try {
-        if (!kind_given && (part == "kill" || part == "stop" || part == "delay" || part == "exit")) {
-          kind_given = true;
-          f.kind = part == "kill"    ? Kind::kill
-                   : part == "stop"  ? Kind::stop
-                   : part == "delay" ? Kind::delay
-                                     : Kind::exit;
-        } else if (key == "rank") {
-          who = std::stoi(value);
-        } else if (key == "step") {
-          f.step = std::stoull(value);
-        } else if (key == "ms") {
-          f.ms = std::stoll(value);
-        } else if (key == "attempt") {
-          when = value == "any" ? -1 : std::stoi(value);
-        } else {
-          throw std::invalid_argument(part);
-        }
-      } catch (const std::exception&) {
-        DT_THROW("torch",
-                 "DTRAIN_FAULT '{}': cannot read '{}' in a PyTorch job (expected "
-                 "kill|stop|delay|exit:rank=R:step=S[:attempt=A|any][:ms=M], S counting the world's collectives)",
-                 spec, part);
-      }
-    }
-    DT_CHECK(kind_given && who >= 0 && f.step >= 1, "torch",
-             "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay or exit) first, rank=R and step=S (S >= 1)", spec,
-             one);
-    DT_CHECK((f.kind == Kind::delay) == (f.ms > 0), "torch",
-             "DTRAIN_FAULT '{}': '{}': ms=M (M > 0) goes with delay, and only with delay", spec, one);
-    if (who == rank && (when == attempt || when < 0)) plan.faults_.push_back(f);
+  std::vector<launch::Fault> all;
+  try {
+    all = launch::parse_all_faults(spec);
+  } catch (const Error& e) {
+    DT_THROW("torch", "{} (in a PyTorch job a step is a collective of the world; the kinds that apply: {})",
+             e.message(), "kill, stop, delay, exit");
   }
+  for (const launch::Fault& f : all) check_applies(spec, f);
+  plan.faults_ = launch::faults_from_env(rank);
   return plan;
 }
 
 void FaultPlan::at_collective(uint64_t n) const {
-  for (const Fault& f : faults_) {
-    if (f.step != n) continue;
+  for (const launch::Fault& f : faults_) {
+    if (static_cast<uint64_t>(f.step) != n) continue;
     switch (f.kind) {
-      case Kind::kill:
+      case FaultKind::kill:
         DT_LOG_WARN("DTRAIN_FAULT: killing this rank (pid {}) at collective {}", ::getpid(), n);
         ::raise(SIGKILL);
         break;
-      case Kind::stop:
+      case FaultKind::stop:
         DT_LOG_WARN("DTRAIN_FAULT: stopping this rank (pid {}, SIGSTOP) at collective {}", ::getpid(), n);
         ::raise(SIGSTOP);
         break;
-      case Kind::delay:
+      case FaultKind::delay:
         DT_LOG_WARN("DTRAIN_FAULT: delaying this rank by {} ms at collective {}", f.ms, n);
         std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
         break;
-      case Kind::exit:
+      case FaultKind::exit:
         DT_LOG_WARN("DTRAIN_FAULT: this rank (pid {}) exits with code 0 at collective {}", ::getpid(), n);
         std::fflush(nullptr);
         std::_Exit(0);  // not exit(): Python's and torch's threads are still running
+      case FaultKind::drop:
+      case FaultKind::hang:
+      case FaultKind::skip:
+      case FaultKind::extra:
+      case FaultKind::mismatch:
+        break;  // refused by from_env
     }
   }
 }

@@ -251,7 +251,7 @@ struct ProcessGroupDtrain::Op {
 };
 
 ProcessGroupDtrain::ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                       BackendOptions options)
+                                       const BackendOptions& options)
     : c10d::ProcessGroup(rank, size),
       timeout_(options.timeout),
       completer_(std::make_shared<Completer>()),
@@ -751,7 +751,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::barrier(const c10d::BarrierOp
 // ---------------------------------------------------------------------------------- compressed
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDtrain::allreduce_compressed(at::Tensor& tensor, comm::Codec codec,
-                                                                        comm::ReduceOp rop, at::Tensor residual) {
+                                                                        comm::ReduceOp rop,
+                                                                        const at::Tensor& residual) {
   check_tensor(tensor, "all_reduce_compressed", "tensor");
   TORCH_CHECK_TYPE(tensor.scalar_type() == at::kFloat, "dtrain all_reduce_compressed: tensor has dtype ",
                    tensor.scalar_type(), "; the compressed all_reduce is for float32");

@@ -306,6 +306,8 @@ void Ordering::defer(const c10::intrusive_ptr<PendingWork>& work) {
   Flusher::get().deferred();
 }
 
+// `start` by value on purpose: callers pass std::move(work->start), which this clears first.
+// NOLINTNEXTLINE(performance-unnecessary-value-param)
 void Ordering::start(const c10::intrusive_ptr<PendingWork>& work, std::function<comm::Work()> start) {
   work->start = nullptr;
   work->run = nullptr;

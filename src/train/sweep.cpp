@@ -113,7 +113,7 @@ TrainConfig parse_train(const std::vector<std::string>& flags, const std::string
 
 std::vector<std::string> as_flags(const OptionValues& values) {
   std::vector<std::string> out;
-  for (const auto& [name, text] : values) out.push_back("--" + name + "=" + text);
+  for (const auto& [name, text] : values) out.push_back(fmt::format("--{}={}", name, text));
   return out;
 }
 
@@ -190,7 +190,7 @@ std::string sample_range(const SweepAxis& a, uint64_t& state) {
 
 std::string params_text(const OptionValues& params) {
   std::vector<std::string> parts;
-  for (const auto& [name, value] : params) parts.push_back(name + "=" + value);
+  for (const auto& [name, value] : params) parts.push_back(fmt::format("{}={}", name, value));
   return fmt::format("{}", fmt::join(parts, " "));
 }
 
@@ -260,7 +260,7 @@ SweepAxis axis_from_toml(const std::string& key, const toml::node& node, const s
   bool has_min = false, has_max = false;
   for (const auto& [k, v] : *t) {
     const std::string field(k.str());
-    const std::string at = where + "." + field;
+    const std::string at = fmt::format("{}.{}", where, field);
     if (field == "min" || field == "max") {
       std::optional<double> x = v.value_exact<int64_t>()
                                     ? std::optional<double>(static_cast<double>(*v.value_exact<int64_t>()))
@@ -653,9 +653,9 @@ SweepPlan plan_sweep(SweepSpec spec) {
 std::vector<std::string> trial_flags(const SweepPlan& plan, const SweepTrial& trial, int64_t steps) {
   std::vector<std::string> flags;
   for (const auto& [name, text] : plan.spec.train) {
-    if (!(steps > 0 && name == "steps")) flags.push_back("--" + name + "=" + text);
+    if (!(steps > 0 && name == "steps")) flags.push_back(fmt::format("--{}={}", name, text));
   }
-  for (const auto& [name, text] : trial.params) flags.push_back("--" + name + "=" + text);
+  for (const auto& [name, text] : trial.params) flags.push_back(fmt::format("--{}={}", name, text));
   if (steps > 0) flags.push_back(fmt::format("--steps={}", steps));
   return flags;
 }

@@ -869,7 +869,7 @@ void Trainer::check_replicas_agree() {
   std::memcpy(mine.data(), digest.data(), std::min<size_t>(64, digest.size()));
   mesh_->dp().all_gather(mine.data(), all.data(), 64, comm::DataType::u8);
   for (int r = 0; r < cfg_.dp; ++r) {
-    const std::string d(all.data() + 64 * r, 64);
+    const std::string d(all.data() + 64 * static_cast<size_t>(r), 64);
     DT_CHECK(d == std::string(mine.data(), 64), "train",
              "data-parallel replica {} ended with parameters {} but replica {} with {} (stage {}, shard {})", r, d,
              coord_.dp, digest, coord_.pp, coord_.tp);

@@ -6,7 +6,10 @@
 2. a stopped rank (SIGSTOP, rank 1 of 3): the others raise at the process group's timeout
    (3 s here), naming it. (gloo: printed.)
 3. DTRAIN_FAULT=kill:rank=1:step=3 (a step is a collective of the world in a torch job): rank 1
-   dies as it issues its third all_reduce; rank 0 raises naming it.
+   dies as it issues its third all_reduce; rank 0 raises naming it. A spec with a kind a torch
+   job cannot act on (drop, hang, skip, extra, mismatch, phase=allreduce|checkpoint), or a
+   malformed one, is refused by
+   init_process_group on every rank, whichever rank it names.
 4. rank 0 calls all_reduce while rank 1 calls broadcast: both ranks raise, each naming both
    operations, and each writes its flight record (DTRAIN_FLIGHT_DIR/rank-R.json) naming the
    call it was in. (gloo: printed, not asserted.)
@@ -97,6 +100,44 @@ def injected(rank, n, backend, report, _):
     raise AssertionError(f"rank {rank} went on after rank 1's fault")
 
 
+def never_reached(rank, n):
+    raise AssertionError(f"rank {rank}: init_process_group accepted DTRAIN_FAULT={os.environ['DTRAIN_FAULT']}")
+
+
+# DTRAIN_FAULT specs a torch job refuses, and what the refusal must say.
+REFUSED_FAULTS = (
+    ("drop:rank=1:step=2", ("'drop:rank=1:step=2'", "drop", "PyTorch job")),
+    ("kill:rank=0:step=4,hang:rank=1:step=2", ("hang", "PyTorch job")),
+    ("kill:rank=1:step=2:phase=allreduce", ("phase=allreduce", "PyTorch job")),
+    ("skip:rank=1:step=2", ("skip", "PyTorch job")),
+    ("extra:rank=0:step=1", ("extra", "PyTorch job")),
+    ("mismatch:rank=1:step=3", ("mismatch", "PyTorch job")),
+    ("delay:rank=1:step=1:ms=5:phase=checkpoint", ("phase=checkpoint", "PyTorch job")),
+    ("kill:rank=1", ("'kill:rank=1'", "step=S", "PyTorch job")),
+)
+
+
+def refused_faults():
+    for spec, needles in REFUSED_FAULTS:
+        os.environ["DTRAIN_FAULT"] = spec
+        try:
+            util.run_world(never_reached, 2, init="file", timeout_s=30, join_s=120)
+            text = None
+        except AssertionError as e:
+            text = str(e)
+        finally:
+            del os.environ["DTRAIN_FAULT"]
+        util.check(text is not None, "DTRAIN_FAULT", spec, "was accepted")
+        util.check("init_process_group accepted" not in text, text[:2000])
+        for r in (0, 1):
+            rank_text = text.split(f"--- rank {r}:")[1].split("--- rank")[0] if f"--- rank {r}:" in text else ""
+            util.check(rank_text != "", "rank", r, "did not refuse", spec, ":", text[:2000])
+            for needle in needles:
+                util.check(needle in rank_text, "rank", r, "refusal of", spec, "does not say", repr(needle), ":",
+                           rank_text[-1500:])
+        print(f"DTRAIN_FAULT={spec}: refused on both ranks: {text.strip().splitlines()[-1][:300]}", flush=True)
+
+
 def mismatch(rank, n, backend, report, _):
     x = torch.ones(1000)
     t0 = time.time()
@@ -158,6 +199,7 @@ def main():
     del os.environ["DTRAIN_FAULT"]
     util.check(len(got) == 1, "rank 0 reports", got)
     print(f"DTRAIN_FAULT=kill:rank=1:step=3: rank 0 raised at its collective {got[0][1]}: {got[0][2]}", flush=True)
+    refused_faults()
 
     with tempfile.TemporaryDirectory() as flight:
         os.environ["DTRAIN_FLIGHT_DIR"] = flight

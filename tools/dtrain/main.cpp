@@ -15,6 +15,10 @@
 #include "status_command.h"
 #include "sweep_command.h"
 
+// Only CLI11's ConstructionError can escape, while the options are declared: a programming error
+// (e.g. a duplicate flag) that every run of dtrain would hit. Parse errors and every error of a
+// run are caught below.
+// NOLINTNEXTLINE(bugprone-exception-escape)
 int main(int argc, char** argv) {
   CLI::App app{"dtrain: train neural networks across processes and machines"};
   app.require_subcommand(1);

@@ -60,7 +60,7 @@ nlohmann::json bench_link(const std::string& transport) {
       self_path(), transport, path);
   const int rc = std::system(cmd.c_str());
   std::ifstream in(path);
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
   std::remove(path);
   DT_CHECK(rc == 0 && j.is_object() && j.contains("alpha_us"), "plan",
            "calibration: `dtrain bench collectives --model --transport {}` failed (exit status {})", transport, rc);
@@ -191,6 +191,7 @@ std::string time_str(double s) {
 
 std::string ranges(const std::vector<plan::StagePrediction>& stages) {
   std::vector<std::string> r;
+  r.reserve(stages.size());
   for (const auto& s : stages) r.push_back(fmt::format("{}-{}", s.blocks.begin, s.blocks.end - 1));
   return fmt::format("{}", fmt::join(r, ","));
 }

@@ -323,6 +323,7 @@ void SweepRunner::start(const SweepJob& job) {
   const int lock_fd = lock_trial(tdir);
   const std::vector<std::string> args = child_args(job);
   std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   // The child's environment: not a worker of a launcher this sweep may run under; its start number
@@ -340,6 +341,7 @@ void SweepRunner::start(const SweepJob& job) {
   }
   env.push_back(fmt::format("DTRAIN_RESTART={}", attempt));
   std::vector<char*> envp;
+  envp.reserve(env.size() + 1);
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
 

@@ -1,8 +1,8 @@
 // Bulk copies for the shared-memory paths and the data-parallel buckets.
 //
-// copy_bytes is memcpy except for one case measured on AMD EPYC (Zen, FSRM) with glibc 2.36:
-// glibc copies 4-256 KiB with `rep movsb`, and that runs 10-20x slower (about 2 against
-// 35 GB/s in L1/L2) when the destination lies 1-63 bytes after the source modulo 4 KiB.
+// copy_bytes is memcpy except for one case: glibc copies 4-256 KiB with `rep movsb`, and on
+// CPUs with fast short rep movsb (FSRM) that runs many times slower when the destination lies
+// 1-63 bytes after the source modulo 4 KiB (figures: docs/measurements.md).
 // Collectives hit it systematically: large malloc'd buffers start 16 bytes into a page and
 // staging slots on a page, so every copy from a slot into such a buffer is in that window.
 // There copy_bytes runs its own vector loop. copy_streaming writes with non-temporal stores

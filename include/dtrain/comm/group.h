@@ -123,7 +123,7 @@ class Work {
 class Group {
  public:
   /// Joins group `name` as `rank` of `size` through `store` (all ranks call this).
-  static Group create(std::shared_ptr<Store> store, int rank, int size, GroupOptions options = {},
+  static Group create(const std::shared_ptr<Store>& store, int rank, int size, GroupOptions options = {},
                       const std::string& name = "world");
   /// Joins the world described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR,
   /// MASTER_PORT, DTRAIN_SECRET); throws dtrain::Error naming a missing or malformed variable.

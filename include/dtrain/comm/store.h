@@ -6,7 +6,7 @@
 // unauthenticated, malformed, oversized or truncated frame closes that connection only, and
 // the server keeps serving the other clients. A host whose connections keep failing to
 // authenticate gets its challenges slowly (a few guesses a second), and refusals are logged
-// in one summary line per interval (src/comm/store_guard.h).
+// in one summary line per interval (src/comm/store/store_guard.h).
 // FileStore: one file per key in a directory on a shared file system.
 // MemoryStore: in-process, for ranks running as threads in tests.
 #pragma once

@@ -51,6 +51,10 @@ struct Fault {
 /// cannot be read.
 std::vector<Fault> parse_faults(const std::string& spec, int rank, int attempt);
 
+/// Every fault of `spec`, whatever rank and start it is for (to check a whole spec, as the
+/// torch adapter does for the kinds it cannot act on). Throws as parse_faults does.
+std::vector<Fault> parse_all_faults(const std::string& spec);
+
 /// parse_faults of DTRAIN_FAULT for the start DTRAIN_RESTART says (default 0).
 std::vector<Fault> faults_from_env(int rank);
 

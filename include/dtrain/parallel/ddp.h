@@ -32,7 +32,7 @@
 //
 // ZeRO (options.zero): each bucket is split into world() equal pieces and rank r owns piece r
 // of every bucket. Gradients are reduce-scattered (each rank receives its pieces, averaged);
-// the optimizer is built over shard_params() (1-D views of the owned pieces of the
+// the optimizer is built over optimizer_params() (1-D views of the owned pieces of the
 // parameters) so its state is 1/world() of the unsharded one; gather_parameters() all-gathers
 // the updated pieces. zero=1 keeps full-size gradient buffers, zero=2 keeps only the pieces.
 // The parameters themselves are moved into the bucket buffers (their tensors stay valid).
@@ -52,8 +52,8 @@
 // Same bits as the other paths.
 // - ZeRO 0: each rank's gradients are its slot there, and each bucket is averaged with
 //   Group::all_reduce_shared: every rank reduces its slice straight from the slots and writes
-//   it into all of them, with no staging copies (3x the copying all_reduce's bandwidth at
-//   4-32 MiB on a 2-vCPU Xeon). A bucket's Work completes only when nobody touches the slots
+//   it into all of them, with no staging copies (several times the copying all_reduce's
+//   bandwidth on large buckets: docs/measurements.md). A bucket's Work completes only when nobody touches the slots
 //   any more, so the next backward may write them. Buckets up to 16 KiB take the copying
 //   all_reduce on the slot (fewer phases), and a group told to use a plan (DTRAIN_ALGO) does
 //   not share.
@@ -118,7 +118,7 @@ class DataParallel {
 
   /// Collective, after the synchronising backward: starts the buckets not started yet (params
   /// without a gradient contribute zeros), waits for all of them, and leaves the averaged
-  /// gradients in the parameters' grads (ZeRO: in shard_params()' grads). Throws a clear error
+  /// gradients in the parameters' grads (ZeRO: in optimizer_params()' grads). Throws a clear error
   /// when ranks ran a different number of backward passes.
   void synchronize();
 

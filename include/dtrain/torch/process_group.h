@@ -57,7 +57,7 @@ class ProcessGroupDtrain final : public c10d::ProcessGroup {
   /// Joins a dtrain group of `size` ranks through `store` (every rank calls it). The TCP
   /// transport's secret is DTRAIN_SECRET when set; otherwise rank 0 makes one and passes it
   /// through the store. DTRAIN_BIND_ADDR is the address a TCP rank listens on.
-  ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, BackendOptions options);
+  ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const BackendOptions& options);
   ~ProcessGroupDtrain() override;
 
   const std::string getBackendName() const override { return "dtrain"; }
@@ -107,7 +107,7 @@ class ProcessGroupDtrain final : public c10d::ProcessGroup {
   /// with error feedback when `residual` is defined (a float32 tensor of the same size; see
   /// Group::all_reduce_compressed). Asynchronous; the future's value is [tensor].
   c10::intrusive_ptr<c10d::Work> allreduce_compressed(at::Tensor& tensor, comm::Codec codec, comm::ReduceOp op,
-                                                      at::Tensor residual);
+                                                      const at::Tensor& residual);
 
   comm::Group& group() { return group_; }
   std::chrono::milliseconds timeout() const { return timeout_; }

@@ -28,9 +28,9 @@
 #include <mutex>
 #include <thread>
 
+#include "../tcp/net.h"
 #include "auth.h"
 #include "dtrain/comm/store.h"
-#include "net.h"
 
 namespace dtrain::comm {
 
@@ -139,7 +139,7 @@ class FileStore : public Store {
 
   std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
     Lock lock(*this, "store.compare_set", key);
-    const std::string current = read("store.compare_set", key).value_or("");
+    std::string current = read("store.compare_set", key).value_or("");
     if (current != expected) return current;
     write_atomic("store.compare_set", key, desired);
     return desired;

@@ -2,7 +2,7 @@
 //
 // Rendezvous: each rank listens and publishes "host:port" under address_key(prefix, rank).
 // Rank c dials every rank a > c; the handshake authenticates both ends with the job secret
-// (auth.h) and fixes who is who (integers little-endian):
+// (../store/auth.h) and fixes who is who (integers little-endian):
 //   a -> c  greeting  "DTRT" | u8 kVersion | u32 rank a | u32 group size | 32-byte challenge_a
 //   c -> a  hello     u32 rank c | HMAC(secret, connect_context(c, a), challenge_a) | 32-byte challenge_c
 //   a -> c  verdict   u8 kAccepted | HMAC(secret, accept_context(a, c), challenge_c)
@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <string>
 
-#include "auth.h"
+#include "../store/auth.h"
 #include "net.h"
 
 namespace dtrain::comm::tcp_wire {

@@ -10,14 +10,14 @@
 #include <chrono>
 #include <cmath>
 
+#include "../tcp/net.h"
 #include "dtrain/core/log.h"
-#include "net.h"
 
 namespace dtrain::comm::store_guard {
 
 namespace {
 
-const std::string kOtherHosts = "other hosts";
+constexpr char kOtherHosts[] = "other hosts";
 
 double seconds_between(Deadline from, Deadline to) { return std::chrono::duration<double>(to - from).count(); }
 

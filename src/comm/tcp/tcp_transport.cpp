@@ -54,12 +54,12 @@
 #include <utility>
 #include <vector>
 
-#include "auth.h"
+#include "../store/auth.h"
+#include "../transport_requests.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
 #include "net.h"
 #include "tcp_wire.h"
-#include "transport_requests.h"
 
 namespace dtrain::comm {
 

@@ -38,12 +38,12 @@
 #include <utility>
 #include <vector>
 
+#include "../transport_requests.h"
 #include "dtrain/comm/copy.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
 #include "shm_collectives.h"
 #include "shm_segment.h"
-#include "transport_requests.h"
 
 namespace dtrain::comm {
 

@@ -1,4 +1,4 @@
-// TcpStore: the rendezvous store served over TCP (server thread + client), wire format in net.h.
+// TcpStore: the rendezvous store served over TCP (server thread + client), wire format in store_wire.h.
 //
 // Server: one thread polls the listening socket, an eventfd (to stop it) and every client
 // socket (non-blocking). A connection goes through three phases:
@@ -28,11 +28,12 @@
 #include <thread>
 #include <unordered_map>
 
+#include "../tcp/net.h"
 #include "auth.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/core/log.h"
-#include "net.h"
 #include "store_guard.h"
+#include "store_wire.h"
 
 namespace dtrain::comm {
 

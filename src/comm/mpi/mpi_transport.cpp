@@ -1,15 +1,8 @@
 // The MPI backend: a Transport whose sends and receives are MPI_Isend / MPI_Irecv and whose
 // native collectives are MPI's non-blocking ones (MPI_Iallreduce, MPI_Ibcast, ...), all polled
-// against the group's deadline so that nothing waits without a timeout. Built only when CMake
-// found MPI (DTRAIN_HAVE_MPI); otherwise every entry point says so.
+// against the group's deadline so that nothing waits without a timeout. Compiled only when CMake
+// found MPI (DTRAIN_MPI on); otherwise no_mpi.cpp provides the entry points, and says so.
 #include <fmt/format.h>
-
-#include "dtrain/comm/mpi.h"
-#include "dtrain/comm/store.h"
-#include "dtrain/core/error.h"
-
-#if DTRAIN_HAVE_MPI
-
 #include <mpi.h>
 
 #include <algorithm>
@@ -22,7 +15,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include "dtrain/comm/mpi.h"
 #include "dtrain/comm/reduce.h"
+#include "dtrain/comm/store.h"
+#include "dtrain/core/error.h"
 
 namespace dtrain::comm {
 namespace {
@@ -560,25 +556,3 @@ std::unique_ptr<Transport> make_mpi_transport(Store& store, const std::string& p
 }
 
 }  // namespace dtrain::comm
-
-#else  // !DTRAIN_HAVE_MPI
-
-namespace dtrain::comm {
-
-namespace {
-[[noreturn]] void not_built() {
-  DT_THROW("comm",
-           "dtrain was not built with MPI: install Open MPI (scripts/install-deps installs libopenmpi-dev) and "
-           "rebuild, or use the default backend (dtrain launch)");
-}
-}  // namespace
-
-bool mpi_built() { return false; }
-MpiWorld mpi_world() { not_built(); }
-std::string mpi_broadcast_from_root(const std::string&) { not_built(); }
-void mpi_abort_job(int) {}
-std::unique_ptr<Transport> make_mpi_transport(Store&, const std::string&, int, int, Duration) { not_built(); }
-
-}  // namespace dtrain::comm
-
-#endif
