@@ -130,6 +130,28 @@ class ZeroSync : public SyncStrategy {
   void count_volume(const Bucket& b);
 };
 
+/// --deterministic (exact.h): each micro-batch's gradients are added into per-bucket 64-bit
+/// fixed-point sums (add()); after the step's last micro-batch, reduce_all() sums them over the
+/// ranks as integers (all_reduce, ZeRO: reduce_scatter into this rank's piece) and converts the
+/// sum / micro_batches once into the grad slots (ZeRO: piece_grad). Layout-independent bits.
+class ExactSync : public ZeroSync {
+ public:
+  ExactSync(SyncContext context, int64_t micro_batches);
+  void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override;
+  comm::Work start(Bucket& b) override;
+  bool per_bucket() const override { return false; }
+  void reduce_all(std::vector<Bucket>& buckets) override;
+  /// Adds `n` gradient elements at `offset` of bucket b; returns exact_add's answer (n: in range).
+  size_t add(const Bucket& b, size_t offset, const float* gradient, size_t n);
+  int64_t micro_batches() const { return micro_batches_; }
+
+ private:
+  int64_t micro_batches_;
+  double limit_;
+  std::vector<std::vector<int64_t>> sums_;    // per bucket, padded
+  std::vector<std::vector<int64_t>> pieces_;  // ZeRO: per bucket, this rank's piece of the sums
+};
+
 /// The shared-memory strategy for ZeRO 0 (all_reduce in the slots) or 1 (one copy of the
 /// values, reduce_scatter in place), or null where the ranks cannot share: not every rank on
 /// this host over shm, a plan chosen for ZeRO 0 (DTRAIN_ALGO), or no room in /dev/shm (that

@@ -30,6 +30,7 @@
 #include "dtrain/core/log.h"
 #include "dtrain/launch/fault.h"
 #include "dtrain/parallel/ddp.h"
+#include "dtrain/parallel/exact.h"
 #include "dtrain/parallel/mesh.h"
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/tensor_parallel.h"
@@ -248,6 +249,7 @@ class Trainer {
   data::Batch micro_batch(int64_t step, int64_t k) const;
   double pipeline_round(int64_t step, int64_t a);
   double micro_step(int64_t step, int64_t a);
+  void add_exact(int64_t step);
   void synchronize(int64_t step);
   void clip_gradients();
   double mesh_grad_square_sum();
@@ -282,6 +284,7 @@ class Trainer {
   StateEstimate need_;
   std::unique_ptr<parallel::DataParallel> ddp_;
   std::unique_ptr<parallel::Pipeline> pipe_;
+  std::unique_ptr<parallel::ExactGradients> exact_;  // --deterministic without data parallelism
   std::unique_ptr<optim::Optimizer> optimizer_;
   // resume
   std::unique_ptr<checkpoint::Checkpointer> ckpt_;
@@ -379,6 +382,11 @@ void Trainer::build_stage() {
   check_memory();
   build_data_parallel();
   build_pipeline();
+  // The exact sums run over every micro-batch of the step: dp x accumulate x micro-batches.
+  if (cfg_.deterministic && !ddp_) {
+    exact_ = std::make_unique<parallel::ExactGradients>(model_->named_parameters(),
+                                                        cfg_.dp * cfg_.accumulate * cfg_.micro_batches);
+  }
   optimizer_ = build_optimizer(cfg_, ddp_ ? ddp_->optimizer_params() : model_->parameters());
 }
 
@@ -412,6 +420,8 @@ void Trainer::build_data_parallel() {
   o.record_events = true;
   o.compress = cfg_.compress;
   o.seed = cfg_.seed;
+  o.deterministic = cfg_.deterministic;
+  o.micro_batches = cfg_.dp * cfg_.accumulate * cfg_.micro_batches;
   ddp_ = std::make_unique<parallel::DataParallel>(model_->named_parameters(), mesh_->dp(), o);
   ddp_->broadcast_parameters();
 }
@@ -618,11 +628,16 @@ double Trainer::pipeline_round(int64_t step, int64_t a) {
         data::Batch b = micro_batch(step, a * M_ + m);
         return std::make_pair(b.x, b.y);
       },
-      1.0f / static_cast<float>(micro_steps_),
+      // --deterministic: each micro-batch's gradient unscaled, taken into the exact sums after
+      // its backward.
+      cfg_.deterministic ? 1.0f : 1.0f / static_cast<float>(micro_steps_),
       [&](bool last) {
         if (ddp_) ddp_->set_sync(sync && last);
       },
-      &st);
+      &st,
+      [&](int /*m*/) {
+        if (cfg_.deterministic) add_exact(step);
+      });
   compute_time_ += st.busy_s;
   for (const parallel::PipeSpan& sp : st.spans) {
     trace_->span(sp.forward ? "forward" : "backward", static_cast<int>(a * M_ + sp.micro), 0, sp.start, sp.end,
@@ -652,13 +667,20 @@ double Trainer::micro_step(int64_t step, int64_t a) {
     b = micro_batch(step, a);
   }
   if (ddp_) ddp_->set_sync(sync);
+  // --deterministic: dropout masks per global micro-batch, not per replica, so that any layout
+  // draws the same ones.
+  if (cfg_.deterministic) {
+    nn::reseed_dropout(*model_, (static_cast<uint64_t>(step) << 20) ^
+                                    (static_cast<uint64_t>(a * cfg_.dp + coord_.dp) << 1) ^ uint64_t{1});
+  }
   comm::note_progress("forward", step + 1);
   Tensor loss = model_->loss(model_->forward(b.x), b.y);
   const auto tf = Clock::now();
   const double value = static_cast<double>(loss.item());
-  if (cfg_.accumulate > 1) loss = loss * (1.0f / static_cast<float>(cfg_.accumulate));
+  if (cfg_.accumulate > 1 && !cfg_.deterministic) loss = loss * (1.0f / static_cast<float>(cfg_.accumulate));
   comm::note_progress("backward", step + 1);
   loss.backward();
+  if (cfg_.deterministic) add_exact(step);
   const auto tb = Clock::now();
   trace_->span("forward", cfg_.accumulate > 1 ? static_cast<int>(a) : -1, 0, tm, tf, step + 1);
   trace_->span("backward", cfg_.accumulate > 1 ? static_cast<int>(a) : -1, 0, tf, tb, step + 1);
@@ -666,8 +688,19 @@ double Trainer::micro_step(int64_t step, int64_t a) {
   return value;
 }
 
+// --deterministic: this micro-batch's gradients into the exact sums (exact.h), then dropped.
+void Trainer::add_exact(int64_t step) {
+  profile::Scope scope(profile::Kind::grad_accumulate);
+  if (ddp_) {
+    ddp_->add_micro_batch();
+  } else {
+    exact_->add(step + 1, rank_);
+  }
+}
+
 // Waits for the gradient buckets' all-reduces and records them.
 void Trainer::synchronize(int64_t step) {
+  if (exact_) exact_->finish();
   if (!ddp_) return;
   ddp_->synchronize();
   for (const auto& ev : ddp_->take_bucket_events()) {
@@ -847,6 +880,7 @@ nlohmann::json Trainer::final_record() {
                         {"pp", cfg_.pp},
                         {"tp", cfg_.tp},
                         {"accumulate", cfg_.accumulate},
+                        {"deterministic", cfg_.deterministic},
                         {"train_loss", result_.final_loss},
                         {"train_time_s", result_.train_time_s},
                         {"train_cpu_s", train_cpu_},
