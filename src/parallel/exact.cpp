@@ -47,6 +47,16 @@ void exact_to_float(const int64_t* acc, float* out, size_t n, int64_t divisor) {
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(acc[i]) * unit / d);
 }
 
+uint64_t bits_checksum(const float* g, size_t n) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, g + i, sizeof(bits));
+    sum += static_cast<uint64_t>(bits) * (2 * static_cast<uint64_t>(i) + 1);
+  }
+  return sum;
+}
+
 void throw_exact_range(const std::string& tensor, float value, int64_t step, int rank, int64_t micro_batches) {
   DT_THROW("ddp",
            "--deterministic: the gradient of '{}' on rank {} at step {} has an element {} outside the exact "

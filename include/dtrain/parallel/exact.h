@@ -40,6 +40,10 @@ size_t exact_add(int64_t* acc, const float* g, size_t n, double limit);
 /// out[i] = float(acc[i] x 2^-F / divisor).
 void exact_to_float(const int64_t* acc, float* out, size_t n, int64_t divisor);
 
+/// A checksum of the bits of `n` floats that changes whenever one bit of one of them does
+/// (sum of bits[i] x (2i + 1) mod 2^64): --audit compares gradients with it.
+uint64_t bits_checksum(const float* g, size_t n);
+
 /// The error for a micro-batch gradient element out of range (exact_add did not return n).
 [[noreturn]] void throw_exact_range(const std::string& tensor, float value, int64_t step, int rank,
                                     int64_t micro_batches);
