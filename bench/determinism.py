@@ -2,7 +2,7 @@
 """--deterministic and --audit (docs/determinism.md): the digest table, the audit's catch rate and
 the cost, side by side with the settings of bench/ddp_compare.py.
 
-    /usr/bin/python3 bench/determinism.py [--only table,flips,cost,mpi,netns] [--repeats 3]
+    /usr/bin/python3 bench/determinism.py [--only table,flips,elastic,mpi,netns,cost] [--repeats 3]
                                           [--mlp-steps 60] [--gpt-steps 20] [--flips 10]
 
 table  the params digest of the MLP (784-1024-1024-10) and the GPT (4 x 128, T 128) with
@@ -18,6 +18,8 @@ cost   throughput with and without --deterministic (and with --audit 100), ddp_c
        --zero 1, worlds 2 and 4; every repeat runs every configuration once, alternating the
        order, so background load hits all alike. Cell: median samples/s (tokens/s) and the
        ratio to the plain run; the issue's limits: 5% (gpt), 10% (mlp), audit 2%.
+elastic  four node agents (dtrain launch --nnodes 3:4, one worker each): one leaves while the job
+       runs and comes back; the digest must be the unchanged run's.
 mpi    the table's MLP job under `mpirun -np 4 dtrain train --backend mpi` (if built with MPI).
 netns  the MLP job on 2 namespaced hosts, 2 processes each (scripts/netns-cluster; root).
 Results: bench/results/determinism.json.
@@ -186,6 +188,79 @@ def cost(tmp, results, repeats, mlp_steps, gpt_steps):
     return ok
 
 
+# ----------------------------------------------------------------------------------- elastic
+
+def wait_text(path, text, seconds):
+    import time
+    until = time.time() + seconds
+    while time.time() < until:
+        try:
+            with open(path) as f:
+                if text in f.read():
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def elastic(tmp, results):
+    """Four node agents of one worker each (dtrain launch --nnodes 3:4): node 3 leaves while the
+    job runs (3 replicas accumulating 8 micro-batches), then returns (4 x 6 again); the digest
+    must be the one of the run that never changed."""
+    import signal
+    import socket
+    job = "--model mlp --hidden 256,256 --batch-size 48 --steps 12 --lr 1e-3"
+    ref = digest_of(run(f"{job} --deterministic --dp 4 --accumulate 6", tmp, "elastic-ref")[0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ck, metrics = os.path.join(tmp, "elastic-ck"), os.path.join(tmp, "elastic.jsonl")
+    work = (f"-- {DTRAIN} train {job} --deterministic --dp 4 --accumulate 6 --min-workers 3 --checkpoint-dir {ck} "
+            f"--checkpoint-every 1 --progress=false --metrics {metrics}")
+    e = env({"DTRAIN_SECRET": secrets.token_hex(32),
+             "DTRAIN_FAULT": "delay:rank=0:step=4:ms=60000:attempt=0,delay:rank=0:step=8:ms=60000:attempt=1"})
+
+    def agent(node, log):
+        cmd = (f"{DTRAIN} launch --nnodes 3:4 -n 1 --master-port {port} --last-call 1 --max-restarts 4 "
+               f"--node-rank {node} {work}")
+        return subprocess.Popen(cmd.split(), env=e, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    logs = [os.path.join(tmp, f"agent{n}.log") for n in range(4)]
+    agents = [agent(n, logs[n]) for n in range(4)]
+    shrunk = grew = False
+    try:
+        if wait_text(logs[0], "delaying this rank by 60000 ms at step 4", 300):
+            os.killpg(agents[3].pid, signal.SIGTERM)  # node 3 leaves
+            agents[3].wait(timeout=60)
+            shrunk = wait_text(logs[0], "delaying this rank by 60000 ms at step 8", 300)
+            if shrunk:
+                agents[3] = agent(3, os.path.join(tmp, "agent3b.log"))  # and comes back
+                grew = True
+        for a in agents[:3] + [agents[3]]:
+            a.wait(timeout=600)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    d = "FAILED"
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            finals = [json.loads(line) for line in f if '"final"' in line]
+        d = finals[-1]["params_digest"] if finals else d
+    with open(logs[0]) as f:
+        log0 = f.read()
+    three = "--accumulate 8 instead of 6" in log0
+    same = d == ref and shrunk and grew and three
+    print(f"elastic 4 -> 3 -> 4 node agents: shrunk {shrunk} (3 x 8: {three}), grew {grew}, digest {d[:16]} vs "
+          f"{ref[:16]}: {'same' if d == ref else 'DIFFERENT'}", flush=True)
+    if not same:
+        print(log0[-4000:], file=sys.stderr)
+    results["elastic"] = {"digest": d, "reference": ref, "shrunk": shrunk and three, "grew": grew, "same": same}
+    return same
+
+
 # ------------------------------------------------------------------------------ mpi and netns
 
 def mpi(tmp, results):
@@ -231,7 +306,7 @@ def netns(tmp, results):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="table,flips,cost,mpi,netns")
+    ap.add_argument("--only", default="table,flips,elastic,mpi,netns,cost")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mlp-steps", type=int, default=60)
     ap.add_argument("--gpt-steps", type=int, default=20)
@@ -245,6 +320,8 @@ def main():
             ok &= table(tmp, results)
         if "flips" in parts:
             ok &= flips(tmp, results, a.flips)
+        if "elastic" in parts:
+            ok &= elastic(tmp, results)
         if "mpi" in parts:
             ok &= mpi(tmp, results)
         if "netns" in parts:

@@ -382,6 +382,10 @@ void finalize(TrainConfig& c) {
              "--deterministic with --compress {}: lossy compression depends on the layout (what each rank's "
              "encoding loses); drop --compress or --deterministic",
              c.compress);
+    DT_CHECK(c.clip_grad == 0.0f, "config",
+             "--deterministic with --clip-grad {}: the global norm is a float sum over ranks, stages or ZeRO pieces "
+             "whose order depends on the layout; drop --clip-grad or --deterministic",
+             c.clip_grad);
     DT_CHECK(c.pp == 1 || c.dropout == 0.0f, "config",
              "--deterministic with --pp {} and --dropout {}: the stages draw their masks in schedule order, not per "
              "micro-batch; use --dropout 0 or no --pp",
