@@ -71,7 +71,7 @@ std::unique_ptr<SyncStrategy> choose_sync(const SyncContext& context, const Redu
   if (o.exact) {
     DT_CHECK(c.powersgd_rank == 0 && c.codec == comm::Codec::none, "ddp",
              "--deterministic needs exact gradients: lossy --compress cannot keep the guarantee");
-    return std::make_unique<ExactSync>(context, o.exact_micro_batches);
+    return std::make_unique<ExactSync>(context, o.exact_micro_batches, o.share_memory);
   }
   if (c.powersgd_rank > 0) {
     DT_CHECK(o.zero == 0, "ddp", "--compress powersgd:{} needs --zero 0 (it exchanges whole low-rank gradients)",
