@@ -26,9 +26,10 @@ void read_part(const std::string& part, Fault& f, bool& kind_given) {
   const size_t eq = part.find('=');
   const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
   static const std::pair<const char*, FaultKind> kinds[] = {
-      {"kill", FaultKind::kill}, {"stop", FaultKind::stop},   {"delay", FaultKind::delay},
-      {"drop", FaultKind::drop}, {"hang", FaultKind::hang},   {"exit", FaultKind::exit},
-      {"skip", FaultKind::skip}, {"extra", FaultKind::extra}, {"mismatch", FaultKind::mismatch}};
+      {"kill", FaultKind::kill},      {"stop", FaultKind::stop},   {"delay", FaultKind::delay},
+      {"drop", FaultKind::drop},      {"hang", FaultKind::hang},   {"exit", FaultKind::exit},
+      {"skip", FaultKind::skip},      {"extra", FaultKind::extra}, {"mismatch", FaultKind::mismatch},
+      {"bitflip", FaultKind::bitflip}};
   const auto* kind = std::find_if(std::begin(kinds), std::end(kinds), [&](const auto& k) { return part == k.first; });
   if (!kind_given && kind != std::end(kinds)) {
     kind_given = true;
@@ -61,15 +62,17 @@ Fault parse_fault(const std::string& spec, const std::string& one) {
     try {
       read_part(part, f, kind_given);
     } catch (const std::exception&) {
-      DT_THROW("train",
-               "DTRAIN_FAULT '{}': cannot read '{}' (expected "
-               "kill|stop|delay|drop|hang|exit|skip|extra|mismatch:rank=R:step=S[:phase=step|allreduce|checkpoint]"
-               "[:attempt=A|any][:ms=M])",
-               spec, part);
+      DT_THROW(
+          "train",
+          "DTRAIN_FAULT '{}': cannot read '{}' (expected "
+          "kill|stop|delay|drop|hang|exit|skip|extra|mismatch|bitflip:rank=R:step=S[:phase=step|allreduce|checkpoint]"
+          "[:attempt=A|any][:ms=M])",
+          spec, part);
     }
   }
   DT_CHECK(kind_given && f.rank >= 0 && f.step >= 1, "train",
-           "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay, drop, hang, exit, skip, extra or mismatch) first, "
+           "DTRAIN_FAULT '{}': '{}' needs a kind (kill, stop, delay, drop, hang, exit, skip, extra, mismatch or "
+           "bitflip) first, "
            "rank=R and step=S (S >= 1)",
            spec, one);
   DT_CHECK((f.kind == FaultKind::delay) == (f.ms > 0), "train",
@@ -177,8 +180,15 @@ void inject_faults(const std::vector<Fault>& faults, int64_t step, FaultPhase ph
       case FaultKind::extra:
       case FaultKind::mismatch:
         break;  // at the program's next collective (collective_with_faults)
+      case FaultKind::bitflip:
+        break;  // in the gradient, by the trainer (bitflip_due)
     }
   }
+}
+
+bool bitflip_due(const std::vector<Fault>& faults, int64_t step) {
+  return std::any_of(faults.begin(), faults.end(),
+                     [&](const Fault& f) { return f.kind == FaultKind::bitflip && f.step == step; });
 }
 
 void collective_with_faults(std::vector<Fault>& faults, int64_t step, const std::function<void()>& call,

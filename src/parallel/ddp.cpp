@@ -39,7 +39,7 @@ struct DataParallel::Impl {
   comm::Group& group() const { return reducer->group(); }
 
   void on_grad_ready(size_t index, Tensor& param) {
-    if (!sync) return;
+    if (!sync || options.deterministic) return;
     const Tensor g = param.grad();
     const bool usable = g.defined() && g.is_contiguous() && g.dtype() == DType::f32;
     reducer->mark_ready(index, usable ? g.data() : nullptr);
@@ -79,6 +79,8 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   o.compression = compression;
   o.seed = options.seed;
   o.allocate = tensor_storage;
+  o.exact = options.deterministic;
+  o.exact_micro_batches = options.micro_batches;
   d.reducer = std::make_unique<Reducer>(std::move(views), std::move(group), std::move(o));
   const Reducer& reducer = *d.reducer;
   if (options.zero > 0) {
@@ -132,6 +134,21 @@ void DataParallel::broadcast_parameters() {
 }
 
 void DataParallel::set_sync(bool on) { impl_->sync = on; }
+
+bool DataParallel::deterministic() const { return impl_->options.deterministic; }
+
+void DataParallel::add_micro_batch() {
+  Impl& d = *impl_;
+  DT_CHECK(d.options.deterministic, "ddp", "add_micro_batch: DataParallel was not built with deterministic");
+  for (size_t k = 0; k < d.params.size(); ++k) {
+    Tensor& t = d.params[k].second;
+    Tensor g = t.grad();
+    if (!g.defined()) continue;
+    g = g.contiguous();
+    d.reducer->add_exact(k, g.data());
+    t.zero_grad();
+  }
+}
 
 void DataParallel::synchronize() {
   Impl& d = *impl_;

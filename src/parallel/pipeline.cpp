@@ -224,7 +224,8 @@ void Pipeline::drain_sends() {
 }
 
 double Pipeline::train_step(const std::function<std::pair<Tensor, Tensor>(int)>& micro_batch, float loss_scale,
-                            const std::function<void(bool)>& before_backward, StageStats* stats) {
+                            const std::function<void(bool)>& before_backward, StageStats* stats,
+                            const std::function<void(int)>& after_backward) {
   const int M = options_.micro_batches;
   const std::vector<PipeOp> ops = pipeline_schedule(options_.schedule, stages(), stage(), M);
   std::map<int, InFlight> live;
@@ -310,6 +311,7 @@ double Pipeline::train_step(const std::function<std::pair<Tensor, Tensor>(int)>&
       DT_CHECK(g.defined(), "pipeline", "stage {}: micro-batch {}'s input got no gradient", stage(), op.micro);
       send_tensor(g, stage() - 1, &shape_in_);
     }
+    if (after_backward) after_backward(op.micro);
     held -= f.bytes;
     live.erase(it);
   }

@@ -12,6 +12,7 @@
 
 #include "dtrain/comm/copy.h"
 #include "dtrain/core/error.h"
+#include "dtrain/parallel/exact.h"
 #include "sync.h"
 
 namespace dtrain::parallel {
@@ -67,6 +68,11 @@ namespace {
 std::unique_ptr<SyncStrategy> choose_sync(const SyncContext& context, const ReducerOptions& o,
                                           const std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) {
   const Compression& c = o.compression;
+  if (o.exact) {
+    DT_CHECK(c.powersgd_rank == 0 && c.codec == comm::Codec::none, "ddp",
+             "--deterministic needs exact gradients: lossy --compress cannot keep the guarantee");
+    return std::make_unique<ExactSync>(context, o.exact_micro_batches, o.share_memory);
+  }
   if (c.powersgd_rank > 0) {
     DT_CHECK(o.zero == 0, "ddp", "--compress powersgd:{} needs --zero 0 (it exchanges whole low-rank gradients)",
              c.powersgd_rank);
@@ -94,6 +100,7 @@ struct Reducer::Impl {
   int64_t step = 0;
   std::vector<BucketEvent> events;
   std::unique_ptr<SyncStrategy> sync;
+  ExactSync* exact = nullptr;  // sync, with --deterministic
 
   size_t piece_of(const Bucket& b) const { return b.padded / static_cast<size_t>(group.size()); }
 
@@ -162,6 +169,7 @@ Reducer::Reducer(std::vector<ReducerParam> params, comm::Group group, ReducerOpt
   close();
   const SyncContext context{d.group, d.options.zero, d.options.allocate};
   d.sync = choose_sync(context, d.options, d.buckets, d.params);
+  d.exact = dynamic_cast<ExactSync*>(d.sync.get());
   d.sync->place(d.buckets, d.params);
   for (ReducerParam& p : d.params) p.values.data = nullptr;  // the caller moves them (ZeRO): not ours to read
   d.ready.assign(d.params.size(), false);
@@ -243,13 +251,22 @@ void Reducer::mark_ready(size_t k, const void* gradient) {
   if (--b.pending == 0 && d.options.overlap && d.sync->per_bucket()) d.launch_in_order();
 }
 
+void Reducer::add_exact(size_t k, const float* gradient) {
+  Impl& d = *impl_;
+  DT_CHECK(d.exact != nullptr, "ddp", "add_exact: the reducer was not built with --deterministic");
+  const auto [bi, offset] = d.where[d.checked_param(k)];
+  const size_t n = d.params[k].values.count;
+  const size_t at = d.exact->add(d.buckets[bi], offset, gradient, n);
+  if (at != n) throw_exact_range(d.params[k].name, gradient[at], d.step + 1, d.group.rank(), d.exact->micro_batches());
+}
+
 void Reducer::finish() {
   Impl& d = *impl_;
   const int world = d.group.size();
   // Parameters without a gradient in this step contribute zeros; then every bucket starts,
-  // in order.
+  // in order. (Exact sums: a parameter without a gradient added nothing.)
   for (Bucket& b : d.buckets) {
-    if (b.launched || b.pending == 0) continue;
+    if (b.launched || b.pending == 0 || d.exact != nullptr) continue;
     float* g = d.grad_data(b);
     for (size_t i = 0; i < b.params.size(); ++i) {
       const size_t k = b.params[i];

@@ -130,6 +130,42 @@ class ZeroSync : public SyncStrategy {
   void count_volume(const Bucket& b);
 };
 
+/// --deterministic (exact.h): each micro-batch's gradients are added into per-bucket 64-bit
+/// fixed-point sums (add()); after the step's last micro-batch, reduce_all() sums them over the
+/// ranks as integers (all_reduce, ZeRO: reduce_scatter into this rank's piece) and converts the
+/// sum / micro_batches once into the grad slots (ZeRO: piece_grad). Layout-independent bits.
+class ExactSync : public ZeroSync {
+ public:
+  /// share_memory: the sums live in memory the ranks on this host map, reduced in place
+  /// (all_reduce_shared / reduce_scatter_shared on i64) when the group can and /dev/shm has room.
+  ExactSync(SyncContext context, int64_t micro_batches, bool share_memory);
+  void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override;
+  comm::Work start(Bucket& b) override;
+  bool per_bucket() const override { return false; }
+  void reduce_all(std::vector<Bucket>& buckets) override;
+  void gather(std::vector<Bucket>& buckets) override;
+  bool shares_memory() const override { return shared_.valid(); }
+  bool shares_values() const override { return values_shared_; }
+  /// Adds `n` gradient elements at `offset` of bucket b; returns exact_add's answer (n: in range).
+  size_t add(const Bucket& b, size_t offset, const float* gradient, size_t n);
+  int64_t micro_batches() const { return micro_batches_; }
+
+ private:
+  int64_t micro_batches_;
+  double limit_;
+  int64_t* sums(size_t bucket) { return sums_base_ + sum_at_[bucket]; }
+
+  bool share_memory_;
+  comm::SharedMemory shared_;                 // valid: every rank's sums, `stride_` bytes apart
+  size_t stride_ = 0;                         // bytes of one rank's sums (all buckets)
+  size_t sums_offset_ = 0;                    // where rank 0's sums start in shared_ (after the values)
+  bool values_shared_ = false;                // ZeRO 1: the values are one copy in shared_ (as SharedZeroSync)
+  std::vector<int64_t> own_;                  // this rank's sums on the heap (not shared)
+  int64_t* sums_base_ = nullptr;              // this rank's sums, all buckets
+  std::vector<size_t> sum_at_;                // bucket -> element offset of its sums (padded, aligned)
+  std::vector<std::vector<int64_t>> pieces_;  // ZeRO: per bucket, this rank's piece of the sums
+};
+
 /// The shared-memory strategy for ZeRO 0 (all_reduce in the slots) or 1 (one copy of the
 /// values, reduce_scatter in place), or null where the ranks cannot share: not every rank on
 /// this host over shm, a plan chosen for ZeRO 0 (DTRAIN_ALGO), or no room in /dev/shm (that

@@ -45,6 +45,9 @@ KindInfo info(FaultKind kind) {
       return {"extra", false};
     case FaultKind::mismatch:
       return {"mismatch", false};
+    // dtrain's trainer flips it in its own gradients; a torch job's gradients are torch's.
+    case FaultKind::bitflip:
+      return {"bitflip", false};
   }
   return {"?", false};
 }
@@ -105,6 +108,7 @@ void FaultPlan::at_collective(uint64_t n) const {
       case FaultKind::skip:
       case FaultKind::extra:
       case FaultKind::mismatch:
+      case FaultKind::bitflip:
         break;  // refused by from_env
     }
   }

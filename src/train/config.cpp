@@ -67,6 +67,14 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"share-memory", &c.share_memory,
        "data parallel, one host, --zero 0 or 1: gradients reduced in place in shared memory (no staging copies); "
        "--zero 1 also keeps one copy of the parameters there"},
+      {"deterministic", &c.deterministic,
+       "the same parameters bit for bit on any layout (--dp, --accumulate, --zero, --pp, elastic, transports) for "
+       "the same global batch and micro-batch: gradients summed exactly in 64-bit fixed point "
+       "(docs/determinism.md)",
+       true},
+      {"audit", &c.audit,
+       "--deterministic: every K steps each data-parallel rank recomputes another rank's micro-batch and compares "
+       "the gradient bit for bit; a mismatch stops the run naming the rank, step and tensor (0 = off)"},
       {"pp", &c.pp, "pipeline stages: the model's blocks cut into this many stages, one per process"},
       {"tp", &c.tp, "tensor-parallel ranks per stage (GPT: attention heads and MLP split, Megatron style)"},
       {"micro-batches", &c.micro_batches, "pipeline: micro-batches per step (per accumulation step)"},
@@ -365,6 +373,30 @@ void finalize(TrainConfig& c) {
   DT_CHECK(c.zero >= 0 && c.zero <= 2, "config", "--zero {}: expected 0, 1 or 2", c.zero);
   DT_CHECK(parallel::parse_compression(c.compress).powersgd_rank == 0 || c.zero == 0, "config",
            "--compress {} exchanges whole low-rank gradients: it needs --zero 0", c.compress);
+  if (c.deterministic) {
+    DT_CHECK(c.tp == 1, "config",
+             "--deterministic with --tp {}: tensor parallelism splits the matrix products themselves, so their sums "
+             "depend on the layout; drop --tp or --deterministic",
+             c.tp);
+    DT_CHECK(c.compress == "none", "config",
+             "--deterministic with --compress {}: lossy compression depends on the layout (what each rank's "
+             "encoding loses); drop --compress or --deterministic",
+             c.compress);
+    DT_CHECK(c.clip_grad == 0.0f, "config",
+             "--deterministic with --clip-grad {}: the global norm is a float sum over ranks, stages or ZeRO pieces "
+             "whose order depends on the layout; drop --clip-grad or --deterministic",
+             c.clip_grad);
+    DT_CHECK(c.pp == 1 || c.dropout == 0.0f, "config",
+             "--deterministic with --pp {} and --dropout {}: the stages draw their masks in schedule order, not per "
+             "micro-batch; use --dropout 0 or no --pp",
+             c.pp, c.dropout);
+  }
+  DT_CHECK(c.audit >= 0, "config", "--audit must be non-negative (0 = off), got {}", c.audit);
+  DT_CHECK(c.audit == 0 || c.deterministic, "config",
+           "--audit {} compares recomputed gradients bit for bit: it needs --deterministic", c.audit);
+  DT_CHECK(c.audit == 0 || (c.dp >= 2 && c.pp == 1), "config",
+           "--audit {} recomputes another data-parallel rank's micro-batch: it needs --dp 2 or more (and no --pp)",
+           c.audit);
   DT_CHECK(c.bucket_mb > 0.0 && c.bucket_mb <= kMaxBucketMb, "config", "--bucket-mb {} not in (0, {}]", c.bucket_mb,
            kMaxBucketMb);
   // Each factor bounded first: their product in int wrapped around (65536 x 65536 = 0 passed).

@@ -41,6 +41,8 @@ nlohmann::json run_options(const TrainConfig& c) {
                         {"overlap", c.overlap},
                         {"share-memory", c.share_memory},
                         {"compress", c.compress},
+                        {"deterministic", c.deterministic},
+                        {"audit", c.audit},
                         {"pp", c.pp},
                         {"tp", c.tp},
                         {"micro-batches", c.micro_batches},

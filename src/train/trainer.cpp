@@ -30,6 +30,7 @@
 #include "dtrain/core/log.h"
 #include "dtrain/launch/fault.h"
 #include "dtrain/parallel/ddp.h"
+#include "dtrain/parallel/exact.h"
 #include "dtrain/parallel/mesh.h"
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/tensor_parallel.h"
@@ -248,6 +249,11 @@ class Trainer {
   data::Batch micro_batch(int64_t step, int64_t k) const;
   double pipeline_round(int64_t step, int64_t a);
   double micro_step(int64_t step, int64_t a);
+  void add_exact(int64_t step);
+  bool audited(int64_t step) const;
+  std::vector<uint64_t> gradient_checksums();
+  void flip_gradient_bit(int64_t step);
+  void audit(int64_t step);
   void synchronize(int64_t step);
   void clip_gradients();
   double mesh_grad_square_sum();
@@ -282,6 +288,7 @@ class Trainer {
   StateEstimate need_;
   std::unique_ptr<parallel::DataParallel> ddp_;
   std::unique_ptr<parallel::Pipeline> pipe_;
+  std::unique_ptr<parallel::ExactGradients> exact_;  // --deterministic without data parallelism
   std::unique_ptr<optim::Optimizer> optimizer_;
   // resume
   std::unique_ptr<checkpoint::Checkpointer> ckpt_;
@@ -311,6 +318,7 @@ class Trainer {
   double interval_loss_ = 0.0;
   int64_t interval_steps_ = 0;
   std::vector<int64_t> epoch_indices_;
+  std::vector<uint64_t> own_checksums_;  // --audit: this rank's first micro-batch's gradients
   int64_t epoch_ = -1;
   RankFigures fig_;
 };
@@ -379,6 +387,11 @@ void Trainer::build_stage() {
   check_memory();
   build_data_parallel();
   build_pipeline();
+  // The exact sums run over every micro-batch of the step: dp x accumulate x micro-batches.
+  if (cfg_.deterministic && !ddp_) {
+    exact_ = std::make_unique<parallel::ExactGradients>(model_->named_parameters(),
+                                                        cfg_.dp * cfg_.accumulate * cfg_.micro_batches);
+  }
   optimizer_ = build_optimizer(cfg_, ddp_ ? ddp_->optimizer_params() : model_->parameters());
 }
 
@@ -412,6 +425,8 @@ void Trainer::build_data_parallel() {
   o.record_events = true;
   o.compress = cfg_.compress;
   o.seed = cfg_.seed;
+  o.deterministic = cfg_.deterministic;
+  o.micro_batches = cfg_.dp * cfg_.accumulate * cfg_.micro_batches;
   ddp_ = std::make_unique<parallel::DataParallel>(model_->named_parameters(), mesh_->dp(), o);
   ddp_->broadcast_parameters();
 }
@@ -563,6 +578,7 @@ void Trainer::train_step(int64_t step) {
   double step_loss = 0.0;
   for (int64_t a = 0; a < cfg_.accumulate; ++a) step_loss += pipe_ ? pipeline_round(step, a) : micro_step(step, a);
   step_loss /= static_cast<double>(micro_steps_);
+  if (audited(step)) audit(step);
   launch::inject_faults(faults_, step + 1, launch::FaultPhase::allreduce);
   const auto ts = Clock::now();
   {
@@ -618,11 +634,16 @@ double Trainer::pipeline_round(int64_t step, int64_t a) {
         data::Batch b = micro_batch(step, a * M_ + m);
         return std::make_pair(b.x, b.y);
       },
-      1.0f / static_cast<float>(micro_steps_),
+      // --deterministic: each micro-batch's gradient unscaled, taken into the exact sums after
+      // its backward.
+      cfg_.deterministic ? 1.0f : 1.0f / static_cast<float>(micro_steps_),
       [&](bool last) {
         if (ddp_) ddp_->set_sync(sync && last);
       },
-      &st);
+      &st,
+      [&](int /*m*/) {
+        if (cfg_.deterministic) add_exact(step);
+      });
   compute_time_ += st.busy_s;
   for (const parallel::PipeSpan& sp : st.spans) {
     trace_->span(sp.forward ? "forward" : "backward", static_cast<int>(a * M_ + sp.micro), 0, sp.start, sp.end,
@@ -652,13 +673,22 @@ double Trainer::micro_step(int64_t step, int64_t a) {
     b = micro_batch(step, a);
   }
   if (ddp_) ddp_->set_sync(sync);
+  // --deterministic: dropout masks per global micro-batch, not per replica, so that any layout
+  // draws the same ones.
+  if (cfg_.deterministic) {
+    nn::reseed_dropout(*model_, (static_cast<uint64_t>(step) << 20) ^
+                                    (static_cast<uint64_t>(a * cfg_.dp + coord_.dp) << 1) ^ uint64_t{1});
+  }
   comm::note_progress("forward", step + 1);
   Tensor loss = model_->loss(model_->forward(b.x), b.y);
   const auto tf = Clock::now();
   const double value = static_cast<double>(loss.item());
-  if (cfg_.accumulate > 1) loss = loss * (1.0f / static_cast<float>(cfg_.accumulate));
+  if (cfg_.accumulate > 1 && !cfg_.deterministic) loss = loss * (1.0f / static_cast<float>(cfg_.accumulate));
   comm::note_progress("backward", step + 1);
   loss.backward();
+  if (a == 0 && launch::bitflip_due(faults_, step + 1)) flip_gradient_bit(step);
+  if (a == 0 && audited(step)) own_checksums_ = gradient_checksums();
+  if (cfg_.deterministic) add_exact(step);
   const auto tb = Clock::now();
   trace_->span("forward", cfg_.accumulate > 1 ? static_cast<int>(a) : -1, 0, tm, tf, step + 1);
   trace_->span("backward", cfg_.accumulate > 1 ? static_cast<int>(a) : -1, 0, tf, tb, step + 1);
@@ -666,8 +696,90 @@ double Trainer::micro_step(int64_t step, int64_t a) {
   return value;
 }
 
+// --deterministic: this micro-batch's gradients into the exact sums (exact.h), then dropped.
+void Trainer::add_exact(int64_t step) {
+  profile::Scope scope(profile::Kind::grad_accumulate);
+  if (ddp_) {
+    ddp_->add_micro_batch();
+  } else {
+    exact_->add(step + 1, rank_);
+  }
+}
+
+// --audit K: every K steps (a data-parallel run without stages).
+bool Trainer::audited(int64_t step) const {
+  return cfg_.audit > 0 && ddp_ != nullptr && !pipe_ && (step + 1) % cfg_.audit == 0;
+}
+
+// The checksum of every parameter's gradient now (0 for one without a gradient).
+std::vector<uint64_t> Trainer::gradient_checksums() {
+  std::vector<uint64_t> sums;
+  for (const auto& [name, p] : model_->named_parameters()) {
+    const Tensor g = p.grad().defined() ? p.grad().contiguous() : Tensor();
+    sums.push_back(g.defined() ? parallel::bits_checksum(g.data(), static_cast<size_t>(g.numel())) : 0);
+  }
+  return sums;
+}
+
+// DTRAIN_FAULT=bitflip: one bit of one element of one gradient of this micro-batch, chosen from
+// the step and rank (silent data corruption in this rank's arithmetic).
+void Trainer::flip_gradient_bit(int64_t step) {
+  std::vector<nn::NamedTensor> params = model_->named_parameters();
+  const size_t k = static_cast<size_t>(step + rank_) % params.size();
+  auto& [name, p] = params[k];
+  Tensor g = p.grad();
+  DT_CHECK(g.defined() && g.is_contiguous() && g.numel() > 0, "train",
+           "DTRAIN_FAULT bitflip: parameter '{}' has no gradient at step {}", name, step + 1);
+  const size_t e = static_cast<size_t>(step * 7919 + rank_) % static_cast<size_t>(g.numel());
+  const int bit = static_cast<int>((step * 3 + rank_) % 23);  // a mantissa bit
+  uint32_t bits = 0;
+  std::memcpy(&bits, g.data() + e, sizeof(bits));
+  bits ^= uint32_t{1} << bit;
+  std::memcpy(g.data() + e, &bits, sizeof(bits));
+  DT_LOG_WARN("DTRAIN_FAULT: flipped bit {} of element {} of the gradient of '{}' on rank {} at step {}", bit, e, name,
+              rank_, step + 1);
+}
+
+// --audit: this rank recomputes the first micro-batch of the next data-parallel rank from
+// scratch and every rank compares, bit for bit (checksums), what each micro-batch's owner
+// computed with what its auditor computed. Collective over the replicas; throws on every rank,
+// naming the rank, the step and the first tensor that differs.
+void Trainer::audit(int64_t step) {
+  comm::note_progress("auditing a micro-batch", step + 1);
+  const int dp = cfg_.dp;
+  const int next = (coord_.dp + 1) % dp;
+  const int64_t pos = (step % steps_per_epoch_) * batch_;
+  const int64_t at = pos + static_cast<int64_t>(next) * micro_;
+  std::vector<int64_t> idx(epoch_indices_.begin() + at, epoch_indices_.begin() + at + micro_);
+  const data::Batch b = src_.train->get(idx);
+  nn::reseed_dropout(*model_, (static_cast<uint64_t>(step) << 20) ^ (static_cast<uint64_t>(next) << 1) ^ uint64_t{1});
+  ddp_->zero_grad();
+  model_->loss(model_->forward(b.x), b.y).backward();
+  std::vector<uint64_t> mine = own_checksums_;
+  const std::vector<uint64_t> theirs = gradient_checksums();
+  ddp_->zero_grad();
+  mine.insert(mine.end(), theirs.begin(), theirs.end());
+  const size_t n = theirs.size();
+  std::vector<uint64_t> all(mine.size() * static_cast<size_t>(dp));
+  mesh_->dp().all_gather(mine.data(), all.data(), mine.size(), comm::DataType::i64);
+  const std::vector<nn::NamedTensor> params = model_->named_parameters();
+  for (int r = 0; r < dp; ++r) {
+    const int auditor = (r + dp - 1) % dp;
+    const uint64_t* own = all.data() + static_cast<size_t>(r) * 2 * n;
+    const uint64_t* redo = all.data() + static_cast<size_t>(auditor) * 2 * n + n;
+    for (size_t k = 0; k < n; ++k) {
+      DT_CHECK(own[k] == redo[k], "train",
+               "--audit: at step {} the gradient of '{}' that rank {} computed for its micro-batch differs from rank "
+               "{}'s recomputation of the same micro-batch (checksums {:016x} and {:016x}): silent data corruption "
+               "on rank {} (or on rank {}); the run stops",
+               step + 1, params[k].first, r, auditor, own[k], redo[k], r, auditor);
+    }
+  }
+}
+
 // Waits for the gradient buckets' all-reduces and records them.
 void Trainer::synchronize(int64_t step) {
+  if (exact_) exact_->finish();
   if (!ddp_) return;
   ddp_->synchronize();
   for (const auto& ev : ddp_->take_bucket_events()) {
@@ -847,6 +959,7 @@ nlohmann::json Trainer::final_record() {
                         {"pp", cfg_.pp},
                         {"tp", cfg_.tp},
                         {"accumulate", cfg_.accumulate},
+                        {"deterministic", cfg_.deterministic},
                         {"train_loss", result_.final_loss},
                         {"train_time_s", result_.train_time_s},
                         {"train_cpu_s", train_cpu_},

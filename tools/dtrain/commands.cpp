@@ -45,6 +45,19 @@ int run_train(train::TrainConfig& cfg, const std::vector<std::string>& argv) {
       DT_CHECK(started % per_replica == 0, "train", "elastic: {} workers do not form whole replicas of pp {} x tp {}",
                started, cfg.pp, cfg.tp);
       const int dp = static_cast<int>(started / per_replica);
+      if (cfg.deterministic) {
+        // The micro-batch must stay what it was (docs/determinism.md): the fewer replicas
+        // accumulate more of them, dp x accumulate kept.
+        const int64_t per_step = static_cast<int64_t>(cfg.dp) * cfg.accumulate;
+        DT_CHECK(per_step % dp == 0, "train",
+                 "elastic --deterministic: --dp {} x --accumulate {} = {} micro-batches per step do not split over {} "
+                 "replicas (the micro-batch must stay the same); choose dp x accumulate divisible by every world "
+                 "size the job may shrink to",
+                 cfg.dp, cfg.accumulate, per_step, dp);
+        DT_LOG_WARN("elastic --deterministic: --accumulate {} instead of {} (the same micro-batches)", per_step / dp,
+                    cfg.accumulate);
+        cfg.accumulate = per_step / dp;
+      }
       DT_CHECK(cfg.batch_size % (dp * cfg.accumulate * cfg.micro_batches) == 0, "train",
                "elastic: --batch-size {} does not split over {} replicas x --accumulate {} x --micro-batches {}",
                cfg.batch_size, dp, cfg.accumulate, cfg.micro_batches);

@@ -13,7 +13,9 @@
 //   drop   shut down every socket it holds (a lost network: store and TCP peers);
 //   hang   block its main thread for good, as a read from a stuck file system does, while its
 //          heartbeat thread beats on (only the progress watch can tell, comm/progress.h);
-//   exit   exit(0) in the middle of the job (a script that returns early: its peers would wait).
+//   exit   exit(0) in the middle of the job (a script that returns early: its peers would wait);
+//   bitflip  flip one bit of one element of its gradient of its first micro-batch of step S
+//          (silent data corruption; `dtrain train --audit K` catches it, docs/determinism.md).
 // Three kinds break the order of collectives, at the first collective that the program routes
 // through collective_with_faults at or after step S (the trainer: the loss all_reduce of a
 // logging step, on the world group):
@@ -34,7 +36,7 @@ namespace dtrain::launch {
 
 /// Where in a step a fault fires.
 enum class FaultPhase { step, allreduce, checkpoint };
-enum class FaultKind { kill, stop, delay, drop, hang, exit, skip, extra, mismatch };
+enum class FaultKind { kill, stop, delay, drop, hang, exit, skip, extra, mismatch, bitflip };
 
 struct Fault {
   FaultKind kind = FaultKind::kill;
@@ -61,6 +63,9 @@ std::vector<Fault> faults_from_env(int rank);
 /// Acts on every one of `faults` planned for `step` at `phase` (kill, exit and hang do not
 /// return). Leaves skip, extra and mismatch to collective_with_faults.
 void inject_faults(const std::vector<Fault>& faults, int64_t step, FaultPhase phase);
+
+/// Whether a bitflip fault of `faults` is planned for `step` (the trainer flips the bit itself).
+bool bitflip_due(const std::vector<Fault>& faults, int64_t step);
 
 /// A collective of the program at `step`: runs `call` once, unless a skip, extra or mismatch
 /// fault of `faults` is due (planned at or before `step`, not fired yet): then nothing, `call`

@@ -87,6 +87,11 @@ struct DdpOptions {
   bool share_memory = true;       // ZeRO 0/1 on one host: gradients (ZeRO 1: and parameters) in shared memory
   std::string compress = "none";  // none | bf16 | fp16 | int8 | int4 | powersgd:RANK (see above)
   uint64_t seed = 0;              // powersgd: the initial Q (the same on every rank)
+  /// --deterministic (exact.h): call add_micro_batch() after every micro-batch's backward; the
+  /// step's gradient is then the exact sum over the `micro_batches` of the step (all ranks) / that
+  /// number, the same bits whatever the layout. Gradient hooks do nothing; no compression.
+  bool deterministic = false;
+  int64_t micro_batches = 1;
 };
 
 /// Bytes this rank holds for the model's training state.
@@ -115,6 +120,11 @@ class DataParallel {
   /// Whether the next backward passes synchronise gradients (default true). Off: gradients
   /// accumulate locally and nothing is communicated (gradient accumulation / no_sync).
   void set_sync(bool on);
+
+  /// --deterministic: adds the model's gradients of one micro-batch to the exact sums and drops
+  /// them (the next micro-batch is computed from scratch). Local.
+  void add_micro_batch();
+  bool deterministic() const;
 
   /// Collective, after the synchronising backward: starts the buckets not started yet (params
   /// without a gradient contribute zeros), waits for all of them, and leaves the averaged

@@ -97,8 +97,11 @@ class Pipeline {
   /// the first stage uses the inputs, the last the targets. before_backward(last) runs before each
   /// backward, `last` true for the step's final one (data parallelism syncs there). Returns the
   /// sum over micro-batches of the unscaled losses on the last stage, 0 on the others.
+  /// after_backward(m), when given, runs after micro-batch m's backward on this stage (exact
+  /// gradient sums take each micro-batch's gradients there).
   double train_step(const std::function<std::pair<Tensor, Tensor>(int)>& micro_batch, float loss_scale,
-                    const std::function<void(bool)>& before_backward, StageStats* stats = nullptr);
+                    const std::function<void(bool)>& before_backward, StageStats* stats = nullptr,
+                    const std::function<void(int)>& after_backward = {});
 
   /// Forward only, no graph (evaluation): stage 0 takes `x`, the others receive. Returns the
   /// model's output on the last stage, an undefined tensor on the others.

@@ -45,6 +45,8 @@ struct TrainConfig {
   bool overlap = true;            // start bucket all_reduces during backward
   bool share_memory = true;       // --zero 0/1 on one host: gradient slots (--zero 1: and parameters) in shared memory
   std::string compress = "none";  // gradient compression: none | bf16 | fp16 | int8 | int4 | powersgd:RANK
+  bool deterministic = false;     // exact, layout-independent gradient sums (docs/determinism.md)
+  int64_t audit = 0;              // --deterministic: every K steps a rank recomputes another's micro-batch (0: off)
   int pp = 1;                     // pipeline stages
   int tp = 1;                     // tensor-parallel ranks per stage
   int64_t micro_batches = 1;      // pipeline micro-batches per accumulation step

@@ -1,0 +1,167 @@
+// --deterministic and --audit end to end (docs/determinism.md): real processes, small models,
+// few steps. The oracle is the params digest (SHA-256 of every parameter) of one process that
+// accumulates all the micro-batches itself: every layout of the same global batch and
+// micro-batch must end with exactly it.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cli_util.h"
+#include "dtrain/parallel/exact.h"
+
+namespace {
+
+class Determinism : public CliTest {
+ protected:
+  std::string corpus() const {
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    write("corpus.txt", text);
+    return path("corpus.txt");
+  }
+  // Runs `args` with --metrics; the run's params digest (empty when it failed: the test fails).
+  std::string digest(const std::string& args, const std::string& name) {
+    const ProcessResult r = dtrain(args + " --metrics " + path(name + ".jsonl"), 300);
+    EXPECT_EQ(r.code, 0) << args << ": " << r.output;
+    if (r.code != 0) return {};
+    const nlohmann::json f = final_record(name + ".jsonl");
+    EXPECT_TRUE(f.value("deterministic", false)) << args;
+    return f["params_digest"].get<std::string>();
+  }
+};
+
+// 24 micro-batches of 1 sample per step, on 1 to 8 processes: dp x accumulate = 24 always.
+TEST_F(Determinism, MlpDigestIsTheSameOnEveryDataParallelLayout) {
+  const std::string mlp =
+      "train --model mlp --hidden 32 --batch-size 24 --steps 3 --lr 0.01 --deterministic --progress=false";
+  const std::string one = digest(mlp + " --accumulate 24", "one");
+  ASSERT_EQ(one.size(), 64u);
+  const std::vector<std::string> layouts = {"--dp 2 --accumulate 12", "--dp 3 --accumulate 8 --zero 1",
+                                            "--dp 4 --accumulate 6 --zero 2", "--dp 6 --accumulate 4",
+                                            "--dp 8 --accumulate 3", "--dp 3 --accumulate 8 --backend tcp"};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    EXPECT_EQ(digest(mlp + " " + layouts[i], "l" + std::to_string(i)), one) << layouts[i];
+  }
+}
+
+// The GPT over data parallelism, ZeRO and pipeline stages (4 micro-batches of 2 sequences).
+TEST_F(Determinism, GptDigestIsTheSameOnDataParallelAndPipelineLayouts) {
+  const std::string gpt = "train --model gpt --data text:" + corpus() +
+                          " --layers 4 --heads 2 --width 16 --seq-len 8 --batch-size 8 --steps 3 --deterministic"
+                          " --progress=false";
+  const std::string one = digest(gpt + " --accumulate 4", "one");
+  ASSERT_EQ(one.size(), 64u);
+  const std::vector<std::string> layouts = {
+      "--dp 2 --accumulate 2", "--dp 4 --zero 1", "--dp 2 --accumulate 2 --zero 2", "--pp 2 --micro-batches 4",
+      "--pp 4 --micro-batches 4 --schedule gpipe", "--dp 2 --pp 2 --micro-batches 2"};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    EXPECT_EQ(digest(gpt + " " + layouts[i], "l" + std::to_string(i)), one) << layouts[i];
+  }
+}
+
+// A checkpoint written by one layout resumes in another and ends where the run that never
+// stopped ends, bit for bit; so does an elastic run that lost a worker (dp 4 -> 3, the three
+// accumulating 4 micro-batches each instead of 3).
+TEST_F(Determinism, ResumedAndElasticRunsEndWithTheUnchangedRunsDigest) {
+  const std::string mlp =
+      "train --model mlp --hidden 32,32 --batch-size 48 --optimizer sgd --lr 0.05 --deterministic --progress=false";
+  const std::string ref = digest(mlp + " --dp 4 --accumulate 3 --steps 8", "ref");
+  ASSERT_EQ(ref.size(), 64u);
+  ProcessResult a = dtrain(mlp + " --dp 2 --accumulate 6 --steps 4 --checkpoint-dir " + path("ck") +
+                           " --checkpoint-every 2");
+  ASSERT_EQ(a.code, 0) << a.output;
+  EXPECT_EQ(digest(mlp + " --dp 3 --accumulate 4 --zero 1 --steps 8 --checkpoint-dir " + path("ck"), "resumed"), ref);
+  ::setenv("DTRAIN_FAULT", "kill:rank=3:step=5:attempt=any", 1);
+  ProcessResult el = dtrain(mlp + " --dp 4 --accumulate 3 --steps 8 --checkpoint-dir " + path("el") +
+                                " --checkpoint-every 2 --max-restarts 3 --min-workers 2 --metrics " + path("el.jsonl"),
+                            300);
+  ::unsetenv("DTRAIN_FAULT");
+  ASSERT_EQ(el.code, 0) << el.output;
+  EXPECT_NE(el.output.find("--accumulate 4 instead of 3"), std::string::npos) << el.output;
+  EXPECT_EQ(final_record("el.jsonl")["params_digest"].get<std::string>(), ref);
+}
+
+// Layouts that cannot keep the guarantee are refused at start, saying why.
+TEST_F(Determinism, LayoutsThatCannotKeepTheGuaranteeAreRefused) {
+  const std::string gpt = "train --model gpt --data text:" + corpus() +
+                          " --layers 2 --heads 2 --width 16 --seq-len 8 --batch-size 8 --steps 2 --deterministic"
+                          " --progress=false";
+  ProcessResult tp = dtrain(gpt + " --tp 2");
+  EXPECT_NE(tp.code, 0);
+  EXPECT_NE(tp.output.find("tensor parallelism splits the matrix products"), std::string::npos) << tp.output;
+  ProcessResult c = dtrain(gpt + " --dp 2 --compress int8");
+  EXPECT_NE(c.code, 0);
+  EXPECT_NE(c.output.find("lossy compression"), std::string::npos) << c.output;
+  ProcessResult audit = dtrain("train --model mlp --hidden 16 --batch-size 8 --steps 2 --audit 1 --progress=false");
+  EXPECT_NE(audit.code, 0);
+  EXPECT_NE(audit.output.find("it needs --deterministic"), std::string::npos) << audit.output;
+}
+
+// A flipped gradient bit on any rank at any audited step stops the run, naming that rank, the
+// step and the tensor the fault flipped; without a fault the audited run ends with the digest
+// of the unaudited one.
+TEST_F(Determinism, AuditCatchesEveryFlippedBitAndNamesIt) {
+  const std::string mlp =
+      "train --model mlp --hidden 32 --batch-size 12 --steps 4 --dp 3 --accumulate 2 --deterministic "
+      "--progress=false";
+  EXPECT_EQ(digest(mlp + " --audit 1", "audited"), digest(mlp, "plain"));
+  const std::vector<std::pair<int, int>> flips = {{0, 1}, {1, 3}, {2, 2}, {2, 4}};
+  for (const auto& [rank, step] : flips) {
+    ::setenv("DTRAIN_FAULT", ("bitflip:rank=" + std::to_string(rank) + ":step=" + std::to_string(step)).c_str(), 1);
+    ProcessResult r = dtrain(mlp + " --audit 1");
+    ::unsetenv("DTRAIN_FAULT");
+    EXPECT_NE(r.code, 0) << r.output;
+    // The fault says which tensor it flipped; the audit must name the same one.
+    const std::string flipped = "of the gradient of '";
+    const size_t at = r.output.find(flipped);
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const std::string tensor = r.output.substr(at + flipped.size(), r.output.find('\'', at + flipped.size()) -
+                                                                        (at + flipped.size()));
+    EXPECT_NE(r.output.find("--audit: at step " + std::to_string(step) + " the gradient of '" + tensor +
+                            "' that rank " + std::to_string(rank) + " computed"),
+              std::string::npos)
+        << "flip on rank " << rank << " at step " << step << ": " << r.output;
+  }
+}
+
+// The fixed-point sum does not depend on the order of its terms, and converts back exactly.
+TEST(ExactSum, IsIndependentOfOrderAndGrouping) {
+  const std::vector<float> g = {1e-3f, -2.5e-7f, 3.0f, 1e-12f, -7.25f, 0.1f};
+  const double limit = dtrain::parallel::exact_limit(8);
+  std::vector<int64_t> forward(1, 0), backward(1, 0), pairs(1, 0);
+  for (float v : g) ASSERT_EQ(dtrain::parallel::exact_add(forward.data(), &v, 1, limit), 1u);
+  for (size_t i = g.size(); i-- > 0;) dtrain::parallel::exact_add(backward.data(), &g[i], 1, limit);
+  // Two "ranks" of three terms each, then their sums added.
+  std::vector<int64_t> a(1, 0), b(1, 0);
+  for (size_t i = 0; i < 3; ++i) dtrain::parallel::exact_add(a.data(), &g[i], 1, limit);
+  for (size_t i = 3; i < g.size(); ++i) dtrain::parallel::exact_add(b.data(), &g[i], 1, limit);
+  pairs[0] = a[0] + b[0];
+  EXPECT_EQ(forward[0], backward[0]);
+  EXPECT_EQ(forward[0], pairs[0]);
+  float out = 0.0f;
+  dtrain::parallel::exact_to_float(forward.data(), &out, 1, 2);
+  double expect = 0.0;
+  for (float v : g) expect += v;
+  EXPECT_NEAR(out, expect / 2, 1e-6);
+  // Out of range and not finite: refused, naming the index.
+  const float bad[3] = {1.0f, static_cast<float>(limit), std::numeric_limits<float>::quiet_NaN()};
+  std::vector<int64_t> acc(3, 0);
+  EXPECT_EQ(dtrain::parallel::exact_add(acc.data(), bad, 3, limit), 1u);
+  EXPECT_EQ(dtrain::parallel::exact_add(acc.data(), bad + 2, 1, limit), 0u);
+  EXPECT_EQ(acc[0], 0);  // nothing added from a refused block
+  // One flipped bit changes the checksum.
+  std::vector<float> h = g;
+  const uint64_t before = dtrain::parallel::bits_checksum(h.data(), h.size());
+  uint32_t bits = 0;
+  std::memcpy(&bits, &h[3], 4);
+  bits ^= 1u;
+  std::memcpy(&h[3], &bits, 4);
+  EXPECT_NE(dtrain::parallel::bits_checksum(h.data(), h.size()), before);
+}
+
+}  // namespace
