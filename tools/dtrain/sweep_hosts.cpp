@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -34,10 +35,10 @@ namespace {
 
 // A launcher's variables: a trial is a job of its own, not a rank of the launcher this sweep runs under.
 bool launcher_variable(const std::string& name) {
-  static const char* const kNames[] = {"RANK",         "WORLD_SIZE",     "LOCAL_RANK",          "LOCAL_WORLD_SIZE",
-                                       "NODE_RANK",    "MASTER_ADDR",    "MASTER_PORT",         "DTRAIN_RESTART",
+  static const char* const kNames[] = {"RANK",          "WORLD_SIZE",      "LOCAL_RANK",          "LOCAL_WORLD_SIZE",
+                                       "NODE_RANK",     "MASTER_ADDR",     "MASTER_PORT",         "DTRAIN_RESTART",
                                        "DTRAIN_RUN_ID", "DTRAIN_JOB_CPUS", "DTRAIN_STORE_HOSTED", "SLURM_PROCID",
-                                       "SLURM_NTASKS", "SLURM_STEP_ID",  "SLURM_STEPID"};
+                                       "SLURM_NTASKS",  "SLURM_STEP_ID",   "SLURM_STEPID"};
   for (const char* n : kNames) {
     if (name == n) return true;
   }
@@ -253,7 +254,8 @@ void SweepHosts::meet(const std::string& dir) {
     const std::string key = fmt::format("sweep/hello/{}", r);
     std::string text;
     try {
-      text = store.get(key, std::chrono::duration_cast<milliseconds>(std::max(until - Clock::now(), Clock::duration(1))));
+      text =
+          store.get(key, std::chrono::duration_cast<milliseconds>(std::max(until - Clock::now(), Clock::duration(1))));
     } catch (const Error&) {
       DT_THROW("sweep", "rank {} of {} did not join the sweep within {} s (--host-timeout)", r, world_.size,
                timeout_.count() / 1000.0);
@@ -273,7 +275,8 @@ void SweepHosts::meet(const std::string& dir) {
     const std::string key = fmt::format("sweep/ready/{}", r);
     std::string why;
     try {
-      why = store.get(key, std::chrono::duration_cast<milliseconds>(std::max(until - Clock::now(), Clock::duration(1))));
+      why =
+          store.get(key, std::chrono::duration_cast<milliseconds>(std::max(until - Clock::now(), Clock::duration(1))));
     } catch (const Error&) {
       why = fmt::format("it did not answer within {} s (--host-timeout)", timeout_.count() / 1000.0);
     }
@@ -368,6 +371,19 @@ nlohmann::json SweepHosts::summary(int local_parallel, int64_t local_jobs) const
 void SweepHosts::end(const std::string& error) {
   ended_ = true;
   world_.store->set("sweep/end", error);
+  // The store may be this process's: it stays until every live worker read the end (or the timeout).
+  const auto until = Clock::now() + timeout_;
+  for (int r = 1; r < world_.size; ++r) {
+    auto it = workers_.find(r);
+    if (it != workers_.end() && !it->second.lost.empty()) continue;
+    try {
+      world_.store->get(fmt::format("sweep/bye/{}", r),
+                        std::chrono::duration_cast<milliseconds>(std::max(until - Clock::now(), Clock::duration(1))));
+    } catch (const Error&) {
+      std::fprintf(stderr, "dtrain sweep: %s did not confirm the end within %g s\n", name(r).c_str(),
+                   timeout_.count() / 1000.0);
+    }
+  }
 }
 
 namespace {
@@ -407,6 +423,7 @@ int run_sweep_worker(SweepWorld& world, int parallel, milliseconds timeout) {
     std::optional<std::string> start;
     for (;;) {
       if (const auto end = store.try_get("sweep/end")) {
+        store.set(fmt::format("sweep/bye/{}", world.rank), "");
         std::fprintf(stderr, "%s: the sweep ended before it started%s%s\n", me.c_str(), end->empty() ? "" : ": ",
                      end->c_str());
         return end->empty() ? 0 : 1;
@@ -432,6 +449,7 @@ int run_sweep_worker(SweepWorld& world, int parallel, milliseconds timeout) {
     }
     store.set(fmt::format("sweep/ready/{}", world.rank), why);
     if (!why.empty()) {
+      store.set(fmt::format("sweep/bye/{}", world.rank), "");
       std::fprintf(stderr, "%s: error: [sweep] %s\n", me.c_str(), why.c_str());
       return 1;
     }
@@ -470,10 +488,14 @@ int run_sweep_worker(SweepWorld& world, int parallel, milliseconds timeout) {
       if (const auto end = store.try_get("sweep/end")) {
         if (!end->empty()) {
           kill_jobs(jobs);
+          store.set(fmt::format("sweep/bye/{}", world.rank), "");
           std::fprintf(stderr, "%s: the sweep failed on rank 0: %s\n", me.c_str(), end->c_str());
           return 1;
         }
-        if (jobs.empty()) return 0;
+        if (jobs.empty()) {
+          store.set(fmt::format("sweep/bye/{}", world.rank), "");
+          return 0;
+        }
       }
       const int64_t b = store.add("sweep/beat/0", 0);
       if (b != coordinator_beat) {

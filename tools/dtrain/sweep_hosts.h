@@ -16,6 +16,8 @@
 //   sweep/done/R/N    worker R: how its N-th job's process ended {status, time_s}
 //   sweep/beat/R      a counter each rank (the coordinator too) adds to while it runs
 //   sweep/end         the coordinator: "" when the sweep ended, else its error
+//   sweep/bye/R       worker R: it read the end (the coordinator, which may serve the store, waits
+//                     for it up to --host-timeout before it exits)
 //
 // A worker whose beat stops for --host-timeout is lost: its jobs run again on the other hosts
 // (from their trials' checkpoints), and the sweep goes on. A worker whose coordinator's beat
