@@ -64,7 +64,7 @@ def main():
             cmd = [os.path.join(ROOT, "scripts/netns-cluster"), "--hosts", str(args.hosts), "--rate", args.rate,
                    "--name", "dsw", "--", "sh", "-c", launch]
             env = dict(os.environ, DTRAIN_SECRET=secrets.token_hex(32))
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             lines, killed = [], False
             for line in p.stdout:
@@ -79,6 +79,9 @@ def main():
             seconds = time.monotonic() - t0
             out = "".join(lines)
             got = results(f"{d}/results.jsonl") if os.path.exists(f"{d}/results.jsonl") else None
+            # The sweep's own time (its results written), apart from the launchers' end: node 0's waits up to
+            # 60 s for every node to finish, and a dead one never does.
+            swept = os.path.getmtime(f"{d}/results.jsonl") - wall0 if got is not None else float("nan")
             hosts = json.load(open(f"{d}/hosts.json")) if os.path.exists(f"{d}/hosts.json") else []
             jobs = ", ".join(f"rank {h['rank']}: {h['jobs']} jobs" + (" (lost)" if "lost" in h else "") for h in hosts)
             if check == "same":
@@ -86,7 +89,7 @@ def main():
             else:
                 good = (got == want and killed and "lost" in hosts[victim] and "was lost" in out)
             print(f"{check}: {'ok' if good else 'FAILED'}: results {'equal' if got == want else 'differ'} to the "
-                  f"one host's; {jobs}; {seconds:.1f} s")
+                  f"one host's; {jobs}; results after {swept:.1f} s, the launchers ended after {seconds:.1f} s")
             if not good:
                 print(out[-4000:])
             ok = ok and good

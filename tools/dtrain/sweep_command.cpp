@@ -587,10 +587,12 @@ int coordinate_sweep(const CLI::App& app, const SweepOptions& options, SweepHost
   manifest["run"] = {{"parallel", o.parallel}, {"retries", o.retries}};
   write_file_atomic(dir + "/sweep.json", manifest.dump(1) + "\n", "sweep");
   if (hosts != nullptr) hosts->meet(dir);
-  std::fprintf(stderr, "dtrain sweep: %s, %zu trials%s, %s %s, %d at a time, in %s\n",
+  std::fprintf(stderr, "dtrain sweep: %s, %zu trials%s, %s %s, %d at a time%s, in %s\n",
                train::strategy_name(plan.spec.strategy), plan.trials.size(),
                plan.rungs.size() > 1 ? fmt::format(", rungs of {} steps", fmt::join(plan.rungs, "/")).c_str() : "",
-               plan.spec.mode.c_str(), plan.spec.metric.c_str(), o.parallel, dir.c_str());
+               plan.spec.mode.c_str(), plan.spec.metric.c_str(), o.parallel,
+               hosts != nullptr ? fmt::format(" here and {} on the other hosts", hosts->slots()).c_str() : "",
+               dir.c_str());
   SweepRunner runner(plan, dir, o, hosts);
   runner.load(resume);
   runner.run();

@@ -352,6 +352,12 @@ std::vector<SweepHosts::Ended> SweepHosts::poll() {
   return out;
 }
 
+int SweepHosts::slots() const {
+  int n = 0;
+  for (const auto& [r, w] : workers_) n += w.parallel;
+  return n;
+}
+
 std::string SweepHosts::name(int rank) const {
   auto it = workers_.find(rank);
   return fmt::format("rank {} ({})", rank, rank == 0 ? world_.host : it != workers_.end() ? it->second.host : "?");

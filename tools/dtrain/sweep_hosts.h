@@ -98,6 +98,8 @@ class SweepHosts {
   };
   /// The jobs that ended since the last call, and those of workers lost since then. Never waits.
   std::vector<Ended> poll();
+  /// The other hosts' slots together (the sum of their --parallel).
+  int slots() const;
   /// "rank 1 (host-b)".
   std::string name(int rank) const;
   /// Every rank: host, parallel, jobs run, lost or not (DIR/hosts.json).
