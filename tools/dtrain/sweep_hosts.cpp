@@ -35,11 +35,11 @@ namespace {
 
 // A launcher's variables: a trial is a job of its own, not a rank of the launcher this sweep runs under.
 bool launcher_variable(const std::string& name) {
-  static const char* const kNames[] = {"RANK",          "WORLD_SIZE",      "LOCAL_RANK",          "LOCAL_WORLD_SIZE",
-                                       "NODE_RANK",     "MASTER_ADDR",     "MASTER_PORT",         "DTRAIN_RESTART",
-                                       "DTRAIN_RUN_ID", "DTRAIN_JOB_CPUS", "DTRAIN_STORE_HOSTED", "SLURM_PROCID",
-                                       "SLURM_NTASKS",  "SLURM_STEP_ID",   "SLURM_STEPID"};
-  for (const char* n : kNames) {
+  static const char* const names[] = {"RANK",          "WORLD_SIZE",      "LOCAL_RANK",          "LOCAL_WORLD_SIZE",
+                                      "NODE_RANK",     "MASTER_ADDR",     "MASTER_PORT",         "DTRAIN_RESTART",
+                                      "DTRAIN_RUN_ID", "DTRAIN_JOB_CPUS", "DTRAIN_STORE_HOSTED", "SLURM_PROCID",
+                                      "SLURM_NTASKS",  "SLURM_STEP_ID",   "SLURM_STEPID"};
+  for (const char* n : names) {
     if (name == n) return true;
   }
   return name.starts_with("OMPI_") || name.starts_with("PMIX_") || name.starts_with("PMI_");
