@@ -143,6 +143,12 @@ class Report : public ::testing::Test {
 
 fs::path Report::dir_;
 
+std::string fmt_trial(const std::string& dir, int64_t trial) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "/trial-%04ld", static_cast<long>(trial));
+  return dir + name;
+}
+
 TEST_F(Report, DemoPipelineAndFaultPagesRenderEveryPointWithoutErrors) {
   struct Case {
     const char* name;
@@ -243,6 +249,71 @@ TEST_F(Report, BadInputGetsAClearErrorOrAPageSayingWhatIsMissing) {
   const Page p = render(path("bad-0.html"));
   expect_clean(p, "truncated metrics");
   EXPECT_GE(p.rendered["charts"]["loss"]["series"][0].get<size_t>() + 1, distinct_log_steps("demo.jsonl"));
+}
+
+// A sweep's page (dtrain report SWEEPDIR): one line per trial in the results' order, holding a
+// point per job that reported the metric and a loss point per distinct log step of the trial's
+// jobs (counted here from its metrics files); trials stopped early by asha dashed; the table with
+// every trial's command.
+TEST_F(Report, SweepPageDrawsEveryTrialsPointsAndDashesTheStoppedOnes) {
+  const std::string dir = path("sweep");
+  ProcessResult sweep = dtrain(
+      "sweep --strategy asha --param lr=0.0003,0.001,0.003,0.01,1e30 --param weight-decay=0,0.001 --trials 8 --eta 2 "
+      "--min-steps 10 --max-steps 40 --parallel 2 --dir " +
+      dir + " -- --hidden 16 --batch-size 32");
+  ASSERT_EQ(sweep.code, 0) << sweep.output;
+  ProcessResult report = dtrain("report " + dir + " -o " + path("sweep.html") + " --title sweep");
+  ASSERT_EQ(report.code, 0) << report.output;
+  const Page p = render(path("sweep.html"));
+  expect_clean(p, "sweep");
+  const nlohmann::json& metric = p.rendered["charts"]["sweep"];
+  const nlohmann::json& loss = p.rendered["charts"]["loss"];
+  const std::string page = slurp(path("sweep.html"));
+  std::ifstream in(dir + "/results.jsonl");
+  std::string line;
+  size_t i = 0, not_done = 0, stopped = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json r = nlohmann::json::parse(line);
+    const int64_t trial = r["trial"].get<int64_t>();
+    ASSERT_LT(i, metric["trials"].size());
+    EXPECT_EQ(metric["trials"][i].get<int64_t>(), trial);  // best first, as in the results
+    size_t points = 0;
+    std::set<int64_t> log_steps;
+    for (int rung = 0;; ++rung) {
+      const std::string file = fmt_trial(dir, trial) + "/metrics-" + std::to_string(rung) + ".jsonl";
+      if (!fs::exists(file)) break;
+      std::ifstream m(file);
+      for (std::string rec; std::getline(m, rec);) {
+        const nlohmann::json j = nlohmann::json::parse(rec);
+        if (j["event"] == "log") log_steps.insert(j["step"].get<int64_t>());
+        if (j["event"] == "final" && j.contains("test_accuracy")) ++points;
+      }
+    }
+    EXPECT_EQ(metric["series"][i].get<size_t>(), points) << "trial " << trial;
+    EXPECT_EQ(metric["drawn"][i].get<size_t>(), points) << "trial " << trial;
+    EXPECT_EQ(loss["series"][i].get<size_t>(), log_steps.size()) << "trial " << trial;
+    if (r["status"] == "done") {
+      EXPECT_GE(points, 1u) << "trial " << trial;
+    } else {
+      ++not_done;
+    }
+    stopped += r["status"] == "stopped" ? 1 : 0;
+    std::string command = r["command"].get<std::string>();
+    EXPECT_NE(page.find(command.substr(0, command.find('\''))), std::string::npos) << command;
+    ++i;
+  }
+  EXPECT_EQ(i, 8u);
+  EXPECT_EQ(metric["series"].size(), 8u);
+  EXPECT_GT(stopped, 0u);  // asha stopped some early: they are there, dashed
+  EXPECT_EQ(metric["dashed"].get<size_t>(), not_done);
+  EXPECT_NE(page.find("The best trial, reproduced"), std::string::npos);
+
+  // Not finished (no results yet): a clear error naming the directory.
+  fs::remove(dir + "/results.jsonl");
+  ProcessResult unfinished = dtrain("report " + dir + " -o " + path("x.html"));
+  EXPECT_EQ(unfinished.code, 2) << unfinished.output;
+  EXPECT_NE(unfinished.output.find("no results.jsonl: the sweep has not finished"), std::string::npos)
+      << unfinished.output;
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <sys/file.h>
 
 #include <set>
+#include <sstream>
 #include <vector>
 
 #include "cli_util.h"
@@ -184,6 +185,97 @@ TEST_F(SweepCliTest, BadInputGetsAClearErrorBeforeAnyTrialStarts) {
   ::close(fd);
   EXPECT_EQ(busy.code, 2);
   EXPECT_NE(busy.output.find("is in use by another dtrain sweep"), std::string::npos) << busy.output;
+}
+
+// Starts the dtrain binary with `env` added, its output going to `log`; returns its pid. With a
+// limit, under timeout; without, the binary itself (so that a SIGKILL reaches it).
+pid_t dtrain_direct(const std::vector<std::string>& args, const std::vector<std::string>& env, const std::string& log,
+                    int limit_s = 0) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    for (const std::string& e : env) ::putenv(const_cast<char*>(e.c_str()));
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, STDOUT_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+    const std::string limit = std::to_string(limit_s);
+    std::vector<char*> argv;
+    if (limit_s > 0) {
+      for (const char* w : {"timeout", "-k", "5"}) argv.push_back(const_cast<char*>(w));
+      argv.push_back(const_cast<char*>(limit.c_str()));
+    }
+    argv.push_back(const_cast<char*>(DTRAIN_BINARY));
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+std::vector<std::string> words(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+// Across hosts: `dtrain launch -n 2 -- dtrain sweep` (rank 0 coordinates, both ranks run trials)
+// gives the one-host sweep's results bit for bit; a worker host killed mid-trial is lost, its
+// trial runs again on the other host from its checkpoint, and the results are still the same.
+TEST_F(SweepCliTest, TwoHostsGiveTheResultsOfOneAndSurviveALostHost) {
+  const std::string search =
+      "sweep --strategy asha --param lr=0.0003,0.001,0.003,0.01 --param weight-decay=0,0.001 --trials 4 --eta 2 "
+      "--min-steps 10 --max-steps 40 ";
+  const ProcessResult ref = dtrain(search + "--parallel 2 --dir " + path("ref") + " " + kTiny);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const std::string want = without_times(results(path("ref/results.jsonl")));
+
+  const ProcessResult two =
+      run_shell("timeout -k 5 240 " + std::string(DTRAIN_BINARY) + " launch -n 2 -- " + DTRAIN_BINARY + " " + search +
+                "--parallel 1 --dir " + path("two") + " " + kTiny + " 2>&1");
+  ASSERT_EQ(two.code, 0) << two.output;
+  EXPECT_EQ(without_times(results(path("two/results.jsonl"))), want) << two.output;
+  const nlohmann::json hosts = nlohmann::json::parse(slurp(path("two/hosts.json")));
+  ASSERT_EQ(hosts.size(), 2u) << hosts.dump();
+  int64_t jobs = 0;
+  for (const auto& h : hosts) {
+    EXPECT_GT(h["jobs"].get<int64_t>(), 0) << hosts.dump();  // both hosts ran trials
+    EXPECT_FALSE(h.contains("lost")) << hosts.dump();
+    jobs += h["jobs"].get<int64_t>();
+  }
+  EXPECT_EQ(static_cast<size_t>(jobs), count(two.output, " steps ("));  // every job reported once
+#ifdef DTRAIN_MPIRUN
+  // Under mpirun: the store's address goes through MPI.
+  const ProcessResult mpi = run_shell("timeout -k 5 240 " + std::string(DTRAIN_MPIRUN) + " -n 2 " + DTRAIN_BINARY +
+                                      " " + search + "--parallel 1 --dir " + path("mpi") + " " + kTiny + " 2>&1");
+  ASSERT_EQ(mpi.code, 0) << mpi.output;
+  EXPECT_EQ(without_times(results(path("mpi/results.jsonl"))), want) << mpi.output;
+  EXPECT_EQ(nlohmann::json::parse(slurp(path("mpi/hosts.json"))).size(), 2u);
+#endif
+
+  // Two "hosts" started by hand (as srun would, with the store's address): the worker is killed
+  // with SIGKILL while it trains (its trial dies with it); after --host-timeout it is lost.
+  const std::vector<std::string> common{
+      "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(free_port()), "WORLD_SIZE=2",
+      "DTRAIN_SECRET=5f0c6e1a9b3d47f28e61c0b4a7d93e25f1c8b06a4e2d97f3b5a1c6e08d4f7b29"};
+  std::vector<std::string> args = words(search + "--parallel 1 --host-timeout 2 --dir " + path("lost") + " " + kTiny);
+  std::vector<std::string> env0 = common, env1 = common;
+  env0.push_back("RANK=0");
+  env1.push_back("RANK=1");
+  const std::string log0 = path("lost-0.log"), log1 = path("lost-1.log");
+  const pid_t coordinator = dtrain_direct(args, env0, log0, 240);
+  const pid_t worker = dtrain_direct(args, env1, log1);
+  const bool started = wait_for_text(log0, "started on rank 1", std::chrono::seconds(60));
+  ::kill(worker, SIGKILL);
+  EXPECT_EQ(wait_code(worker), 128 + SIGKILL);
+  ASSERT_TRUE(started) << slurp(log0) << slurp(log1);
+  EXPECT_EQ(wait_code(coordinator), 0) << slurp(log0);
+  const std::string out = slurp(log0);
+  EXPECT_NE(out.find("was lost (no heartbeat for 2 s"), std::string::npos) << out;
+  EXPECT_EQ(without_times(results(path("lost/results.jsonl"))), want) << out;
+  const nlohmann::json lost = nlohmann::json::parse(slurp(path("lost/hosts.json")));
+  ASSERT_EQ(lost.size(), 2u);
+  EXPECT_TRUE(lost[1].contains("lost")) << lost.dump();
 }
 
 }  // namespace

@@ -80,7 +80,8 @@
   }
 
   // ---- curves (uPlot): one series per run over the union of their steps
-  function curves(id, runs, pick, label, markers) {
+  // style(i): extra uPlot series options for run i (a dash for trials stopped early).
+  function curves(id, runs, pick, label, markers, style) {
     var container = document.getElementById("chart-" + id);
     var perRun = runs.map(function (r) {
       return pick(r);
@@ -104,7 +105,10 @@
       var ys = x.map(function (s) { return s in byStep ? byStep[s] : null; });
       counts.push(ys.filter(function (v) { return v !== null; }).length);
       data.push(ys);
-      series.push({ label: runs[i].name, stroke: color(i), width: 2, spanGaps: true, points: { show: x.length <= 60 } });
+      var one = { label: runs[i].name, stroke: color(i), width: 2, spanGaps: true, points: { show: x.length <= 60 } };
+      var extra = style ? style(i) : {};
+      for (var k in extra) one[k] = extra[k];
+      series.push(one);
     });
     var marks = markers || [];
     var opts = {
@@ -329,12 +333,30 @@
     status.charts.timeline = { bands: bands, failures: failures, checkpoints: ticks };
   }
 
+  // ---- a sweep (dtrain report SWEEPDIR): every trial's metric and loss, one line each, best first
+  function sweep(sw) {
+    var trials = sw.trials;
+    var dashed = function (i) {
+      return trials[i].status === "done" ? {} : { dash: [6, 4], width: 1.5 };
+    };
+    curves("sweep", trials, function (t) { return t.metric; }, sw.metric + " (" + sw.mode + ")", [], dashed);
+    curves("loss", trials, function (t) { return t.loss; }, "loss", [], dashed);
+    ["sweep", "loss"].forEach(function (id) {
+      status.charts[id].trials = trials.map(function (t) { return t.trial; });
+      status.charts[id].dashed = trials.filter(function (t) { return t.status !== "done"; }).length;
+    });
+  }
+
   function draw() {
     var page = JSON.parse(document.getElementById("dtrain-data").textContent);
-    var runs = page.runs;
     document.querySelectorAll(".swatch").forEach(function (e) {
       e.style.background = color(Number(e.getAttribute("data-run")));
     });
+    if (page.sweep) {
+      sweep(page.sweep);
+      return;
+    }
+    var runs = page.runs;
     var restartMarks = [];
     runs.forEach(function (r, i) {
       r.restarts.forEach(function (f) { restartMarks.push({ step: f.resumed_step, color: color(i) }); });

@@ -367,4 +367,109 @@ std::string render_html(const std::string& title, const std::vector<RunData>& ru
   return html;
 }
 
+namespace {
+
+std::string value_text(const json& v) {
+  if (v.is_number()) return fmt::format("{:.6g}", v.get<double>());
+  if (v.is_string()) return v.get<std::string>();
+  return v.is_null() ? "-" : v.dump();
+}
+
+std::string problems_section(const std::vector<std::string>& problems) {
+  if (problems.empty()) return "";
+  std::string items;
+  for (const std::string& p : problems) items += "<li>" + esc(p) + "</li>\n";
+  return "<section class=\"problems\" id=\"problems\"><h2>What is missing</h2><ul>\n" + items + "</ul></section>\n";
+}
+
+}  // namespace
+
+std::string render_sweep_html(const std::string& title, const SweepData& sweep) {
+  // The params' names, in the first result's order (every trial has the same axes).
+  std::vector<std::string> axes;
+  if (sweep.trials.front().result.contains("params") && sweep.trials.front().result["params"].is_object()) {
+    for (const auto& [name, v] : sweep.trials.front().result["params"].items()) axes.push_back(name);
+  }
+  std::string beside = fmt::format(
+      "<table><tr><th>rank</th><th>trial</th><th>{}</th><th>steps</th><th>status</th><th>points</th></tr>\n",
+      esc(sweep.metric));
+  std::string below = "<table class=\"wide\"><tr><th>rank</th><th>trial</th>";
+  for (const auto& a : axes) below += "<th>" + esc(a) + "</th>";
+  below +=
+      fmt::format("<th>{}</th><th>steps</th><th>time</th><th>status</th><th>command</th></tr>\n", esc(sweep.metric));
+  json trials = json::array();
+  std::string loss_rows;
+  int stopped = 0, failed = 0;
+  for (size_t i = 0; i < sweep.trials.size(); ++i) {
+    const SweepTrialData& t = sweep.trials[i];
+    const json& r = t.result;
+    const std::string status = r.value("status", "?");
+    stopped += status == "stopped" ? 1 : 0;
+    failed += status == "failed" ? 1 : 0;
+    const std::string swatch = fmt::format("<span class=\"swatch\" data-run=\"{}\"></span>", i);
+    const std::string status_text =
+        status == "failed" && r.contains("error") ? "failed: " + r["error"].get<std::string>() : status;
+    beside += fmt::format("<tr><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+                          value_text(r.value("rank", json())), swatch, t.trial, value_text(r.value("value", json())),
+                          value_text(r.value("steps", json())), esc(status), t.metric.size());
+    below += fmt::format("<tr><td>{}</td><td>{}</td>", value_text(r.value("rank", json())), t.trial);
+    for (const auto& a : axes) below += "<td>" + esc(value_text(r["params"].value(a, json()))) + "</td>";
+    below += fmt::format(
+        "<td>{}</td><td>{}</td><td>{}</td><td class=\"text\">{}</td><td class=\"text\"><code>{}</code></td></tr>\n",
+        value_text(r.value("value", json())), value_text(r.value("steps", json())),
+        r.contains("time_s") && r["time_s"].is_number() ? secs(r["time_s"].get<double>()) : "-", esc(status_text),
+        esc(r.value("command", "")));
+    json metric_steps = json::array(), metric_values = json::array(), loss_steps = json::array(),
+         loss_values = json::array();
+    for (const EvalPoint& e : t.metric) {
+      metric_steps.push_back(e.step);
+      metric_values.push_back(e.value);
+    }
+    for (const LogPoint& p : t.run.logs) {
+      loss_steps.push_back(p.step);
+      loss_values.push_back(p.loss);
+    }
+    if (!t.run.logs.empty()) {
+      loss_rows += fmt::format("<tr><td>{}</td><td>{}</td><td>{:.4f}</td><td>{}</td></tr>\n", t.trial,
+                               t.run.logs.size(), t.run.logs.back().loss, t.run.logs.back().step);
+    }
+    trials.push_back({{"name", t.run.name},
+                      {"trial", t.trial},
+                      {"status", status},
+                      {"metric", {{"steps", metric_steps}, {"values", metric_values}}},
+                      {"loss", {{"steps", loss_steps}, {"values", loss_values}}}});
+  }
+  beside += "</table>";
+  below += "</table>";
+  const json& best = sweep.trials.front().result;
+  if (best.value("status", "") == "done" && best.contains("command")) {
+    below += "<p class=\"note\">The best trial, reproduced: <code>" + esc(best["command"].get<std::string>()) +
+             "</code></p>";
+  }
+  json page{
+      {"title", title},
+      {"sweep", {{"metric", sweep.metric}, {"mode", sweep.mode}, {"strategy", sweep.strategy}, {"trials", trials}}}};
+  std::string html = fmt::format(
+      "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
+      "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>{0}</title>\n"
+      "<style>{1}</style>\n<style>{2}</style>\n</head><body>\n"
+      "<header><h1>{0}</h1><p class=\"note\">dtrain report of the sweep in {3}: {4}, {5} trials by {6} ({7}), "
+      "{8} stopped early, {9} failed.</p></header>\n",
+      esc(title), kUplotCss, kReportCss, esc(sweep.dir), esc(sweep.strategy), sweep.trials.size(), esc(sweep.metric),
+      esc(sweep.mode), stopped, failed);
+  html += section("sweep", fmt::format("{} of every trial", esc(sweep.metric)),
+                  "One line per trial, best first, a point at the end of each of its jobs (each rung of asha): "
+                  "trials stopped early dashed, failed trials without their last point. The table under the chart: "
+                  "every trial's values and the dtrain train command that reproduces it.",
+                  beside, below);
+  html += section(
+      "loss", "Training loss of every trial", "",
+      "<table><tr><th>trial</th><th>points</th><th>last loss</th><th>last step</th></tr>\n" + loss_rows + "</table>");
+  html += problems_section(sweep.problems);
+  html += "<pre id=\"dtrain-render\" hidden></pre>\n";
+  html += "<script id=\"dtrain-data\" type=\"application/json\">" + script_json(page) + "</script>\n";
+  html += fmt::format("<script>{}</script>\n<script>{}</script>\n</body></html>\n", kUplotJs, kReportJs);
+  return html;
+}
+
 }  // namespace dtrain::report

@@ -15,4 +15,7 @@ namespace dtrain::report {
 std::string render_html(const std::string& title, const std::vector<RunData>& runs,
                         const std::vector<nlohmann::json>& data);
 
+/// The page of a sweep: every trial's metric and loss curves, the results table.
+std::string render_sweep_html(const std::string& title, const SweepData& sweep);
+
 }  // namespace dtrain::report

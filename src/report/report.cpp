@@ -22,4 +22,10 @@ std::string build_report(const std::vector<ReportInput>& runs, const std::string
   return render_html(title, loaded, data);
 }
 
+bool is_sweep(const std::string& path) { return is_sweep_dir(path); }
+
+std::string build_sweep_report(const std::string& dir, const std::string& title) {
+  return render_sweep_html(title, load_sweep(dir));
+}
+
 }  // namespace dtrain::report

@@ -78,4 +78,27 @@ void load_trace(const ReportInput& in, RunData& run);
 /// Adds the checkpoints (`in.checkpoint_dir`, else the recorded one) to `run`; problems noted.
 void load_checkpoints(const ReportInput& in, RunData& run);
 
+/// One trial of a sweep: its jobs' metrics (one file per rung) read as one run, and its figure at
+/// the end of each job (the metric of the job's final record).
+struct SweepTrialData {
+  int64_t trial = 0;
+  nlohmann::json result;  // its line of results.jsonl (rank, params, value, status, command, ...)
+  RunData run;            // every rung's records, in rung order
+  std::vector<EvalPoint> metric;
+};
+
+/// A sweep directory (dtrain sweep --dir): the search, the results best first, every trial.
+struct SweepData {
+  std::string dir;
+  nlohmann::json search;  // sweep.json
+  std::string metric, mode, strategy;
+  std::vector<SweepTrialData> trials;  // in the results' order (best first)
+  std::vector<std::string> problems;
+};
+
+/// Whether `path` is a sweep directory (it holds sweep.json).
+bool is_sweep_dir(const std::string& path);
+/// Reads a sweep directory; throws dtrain::Error naming it when it has no results to show.
+SweepData load_sweep(const std::string& dir);
+
 }  // namespace dtrain::report

@@ -32,14 +32,15 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/file.h"
 #include "dtrain/train/sweep.h"
-
-extern char** environ;
+#include "sweep_hosts.h"
 
 namespace dtrain::tools {
 
@@ -120,19 +121,6 @@ int lock_sweep_dir(const std::string& dir) {
   return fd;
 }
 
-// A trial's lock; held by its job's process tree. Waits a while for one left by a killed sweep.
-int lock_trial(const std::string& tdir) {
-  const std::string path = tdir + "/.lock";
-  const auto until = Clock::now() + std::chrono::seconds(30);
-  for (;;) {
-    const int fd = open_locked_file(path, "sweep");
-    if (fd >= 0) return fd;
-    DT_CHECK(Clock::now() < until, "sweep",
-             "{}: a process of an earlier sweep still trains this trial (it has held the lock for 30 s)", path);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
-
 // The metric and steps of a job's final metrics record; "" and the figures, or why not.
 std::string read_final(const std::string& path, const std::string& metric, double* value, int64_t* steps) {
   std::ifstream in(path);
@@ -167,17 +155,10 @@ std::string failure_line(const std::string& log) {
   return why;
 }
 
-std::string describe_status(int status) {
-  if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
-  if (WIFSIGNALED(status))
-    return fmt::format("killed by signal {} ({})", WTERMSIG(status), ::strsignal(WTERMSIG(status)));
-  return fmt::format("status {}", status);
-}
-
 class SweepRunner {
  public:
-  SweepRunner(SweepPlan plan, std::string dir, const SweepOptions& o)
-      : plan_(std::move(plan)), dir_(std::move(dir)), opts_(o), self_(self_path()) {}
+  SweepRunner(SweepPlan plan, std::string dir, const SweepOptions& o, SweepHosts* hosts)
+      : plan_(std::move(plan)), dir_(std::move(dir)), opts_(o), self_(self_path()), hosts_(hosts) {}
 
   void load(bool resume);
   void run();
@@ -188,11 +169,14 @@ class SweepRunner {
     SweepJob job;
     int attempt = 0;
     Clock::time_point start;
+    int rank = 0;  // the host's rank that runs it
   };
   std::vector<std::vector<RungOutcome>> outcomes() const;
   bool adopt(const SweepJob& job);
-  void start(const SweepJob& job);
-  void reap(pid_t pid, int status);
+  bool busy(const SweepJob& job) const;
+  void start(const SweepJob& job, int rank);
+  void wait_any();
+  void reap(const Running& run, int status, double seconds, const std::string& where);
   void save(const TrialRecord& r) const;
   std::vector<std::string> child_args(const SweepJob& job) const;
   std::string metrics_path(const SweepJob& job) const {
@@ -212,7 +196,10 @@ class SweepRunner {
   const SweepOptions& opts_;
   std::string self_;
   std::vector<TrialRecord> records_;
-  std::map<pid_t, Running> running_;
+  SweepHosts* hosts_;                                      // the other hosts' ranks (nullptr: this host alone)
+  std::map<pid_t, Running> running_;                       // jobs on this host, by process id
+  std::map<std::pair<int64_t, int64_t>, Running> remote_;  // jobs on the other hosts, by (trial, rung)
+  int64_t local_jobs_ = 0;
   std::map<std::pair<int64_t, int64_t>, int> attempts_;  // restarts used per (trial, rung)
   int64_t jobs_done_ = 0;
 };
@@ -306,7 +293,16 @@ bool SweepRunner::adopt(const SweepJob& job) {
   return true;
 }
 
-void SweepRunner::start(const SweepJob& job) {
+bool SweepRunner::busy(const SweepJob& job) const {
+  if (remote_.count({job.trial, job.rung}) > 0) return true;
+  for (const auto& [pid, run] : running_) {
+    if (run.job == job) return true;
+  }
+  return false;
+}
+
+// Starts a job on this host (rank 0) or hands it to another host's rank.
+void SweepRunner::start(const SweepJob& job, int rank) {
   const std::string tdir = trial_dir(dir_, job.trial);
   fs::create_directories(tdir);
   const train::SweepTrial& trial = plan_.trials[static_cast<size_t>(job.trial)];
@@ -320,63 +316,24 @@ void SweepRunner::start(const SweepJob& job) {
             "\n",
         "sweep");
   }
-  const int lock_fd = lock_trial(tdir);
-  const std::vector<std::string> args = child_args(job);
-  std::vector<char*> argv;
-  argv.reserve(args.size() + 1);
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  // The child's environment: not a worker of a launcher this sweep may run under; its start number
-  // (DTRAIN_RESTART) is the job's attempt, as under dtrain launch --max-restarts.
   const int attempt = attempts_[{job.trial, job.rung}];
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string var(*e);
-    const std::string name = var.substr(0, var.find('='));
-    if (name == "RANK" || name == "WORLD_SIZE" || name == "LOCAL_RANK" || name == "LOCAL_WORLD_SIZE" ||
-        name == "MASTER_ADDR" || name == "MASTER_PORT" || name == "DTRAIN_RESTART") {
-      continue;
-    }
-    env.push_back(var);
-  }
-  env.push_back(fmt::format("DTRAIN_RESTART={}", attempt));
-  std::vector<char*> envp;
-  envp.reserve(env.size() + 1);
-  for (auto& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-
-  // Truncates: a retried job's output is its last attempt's.
-  const int log_fd = open_output_file(log_path(job), "sweep");
   TrialRecord& r = records_[static_cast<size_t>(job.trial)];
   r.running = job.rung;
   save(r);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);  // the sweep died before the line above
-    ::dup2(log_fd, STDOUT_FILENO);
-    ::dup2(log_fd, STDERR_FILENO);
-    const int null_fd = ::open("/dev/null", O_RDONLY);
-    if (null_fd >= 0) ::dup2(null_fd, STDIN_FILENO);
-    ::fcntl(lock_fd, F_SETFD, 0);  // the trial's lock stays held across exec, by the job's process tree
-    ::execve(self_.c_str(), argv.data(), envp.data());
-    ::_exit(127);
+  if (hosts_ != nullptr)
+    std::fprintf(stderr, "dtrain sweep: %s started on %s\n", job_name(job).c_str(), hosts_->name(rank).c_str());
+  if (rank > 0) {
+    hosts_->dispatch(rank, job.trial, job.rung, attempt, child_args(job), log_path(job));
+    remote_[{job.trial, job.rung}] = Running{job, attempt, Clock::now(), rank};
+    return;
   }
-  const int fork_errno = errno;
-  ::close(log_fd);
-  ::close(lock_fd);
-  DT_CHECK(pid > 0, "sweep", "cannot start {}: fork failed: {}", job_name(job), std::strerror(fork_errno));
-  running_[pid] = Running{job, attempt, Clock::now()};
+  const pid_t pid = spawn_job(self_, child_args(job), log_path(job), lock_trial(tdir), attempt);
+  running_[pid] = Running{job, attempt, Clock::now(), 0};
+  ++local_jobs_;
 }
 
-void SweepRunner::reap(pid_t pid, int status) {
-  auto it = running_.find(pid);
-  if (it == running_.end()) return;
-  const Running run = it->second;
-  running_.erase(it);
+void SweepRunner::reap(const Running& run, int status, double seconds, const std::string& where) {
   const SweepJob& job = run.job;
-  const double seconds = std::chrono::duration<double>(Clock::now() - run.start).count();
   TrialRecord& r = records_[static_cast<size_t>(job.trial)];
   RungOutcome& o = r.rungs[static_cast<size_t>(job.rung)];
   r.running = -1;
@@ -387,8 +344,8 @@ void SweepRunner::reap(pid_t pid, int status) {
     if (why.empty()) {
       o.state = RungOutcome::State::done;
       ++jobs_done_;
-      std::fprintf(stderr, "dtrain sweep: %s: %s %.6g after %ld steps (%.1f s)\n", job_name(job).c_str(),
-                   plan_.spec.metric.c_str(), o.metric, static_cast<long>(o.steps), seconds);
+      std::fprintf(stderr, "dtrain sweep: %s: %s %.6g after %ld steps (%.1f s%s)\n", job_name(job).c_str(),
+                   plan_.spec.metric.c_str(), o.metric, static_cast<long>(o.steps), seconds, where.c_str());
     }
   } else if (WIFSIGNALED(status) && run.attempt < opts_.retries) {
     attempts_[{job.trial, job.rung}] = run.attempt + 1;
@@ -417,25 +374,68 @@ void SweepRunner::run() {
     const train::SweepLadder ladder = train::successive_halving(outs, plan_.spec.eta, plan_.maximize);
     bool changed = false;
     for (const SweepJob& job : train::pending_jobs(ladder, outs)) {
-      if (static_cast<int>(running_.size()) >= opts_.parallel) break;
-      bool busy = false;
-      for (const auto& [pid, run] : running_) busy = busy || run.job == job;
-      if (busy) continue;
+      // The host with the most free slots, this one first among equals.
+      int rank = 0;
+      int free = opts_.parallel - static_cast<int>(running_.size());
+      if (hosts_ != nullptr) {
+        const auto [other, other_free] = hosts_->most_free();
+        if (other_free > free) std::tie(rank, free) = std::pair(other, other_free);
+      }
+      if (free <= 0) break;
+      if (busy(job)) continue;
       if (adopt(job)) {
         changed = true;  // the ladder may promote: decide again
         break;
       }
-      start(job);
+      start(job, rank);
     }
     if (changed) continue;
-    if (running_.empty()) return;  // nothing running and nothing to start: the ladder is finished
+    if (running_.empty() && remote_.empty()) return;  // nothing running and nothing to start: the ladder is finished
+    wait_any();
+  }
+}
+
+// Waits until a job ended (on any host) or a host was lost, and records it.
+void SweepRunner::wait_any() {
+  for (;;) {
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, 0);
+    const pid_t pid = ::waitpid(-1, &status, hosts_ != nullptr ? WNOHANG : 0);
     if (pid < 0) {
-      DT_CHECK(errno == EINTR, "sweep", "waitpid failed: {}", std::strerror(errno));
-      continue;
+      DT_CHECK(errno == EINTR || errno == ECHILD, "sweep", "waitpid failed: {}", std::strerror(errno));
+      if (hosts_ == nullptr) return;
     }
-    reap(pid, status);
+    bool ended = false;
+    if (pid > 0) {
+      auto it = running_.find(pid);
+      if (it != running_.end()) {
+        const Running run = it->second;
+        running_.erase(it);
+        reap(run, status, std::chrono::duration<double>(Clock::now() - run.start).count(),
+             hosts_ != nullptr ? ", " + hosts_->name(0) : "");
+        ended = true;
+      }
+    }
+    if (hosts_ != nullptr) {
+      for (const SweepHosts::Ended& e : hosts_->poll()) {
+        auto it = remote_.find({e.trial, e.rung});
+        if (it == remote_.end()) continue;
+        const Running run = it->second;
+        remote_.erase(it);
+        ended = true;
+        if (!e.lost.empty()) {
+          // Not the trial's fault: it runs again on another host, from its checkpoint.
+          TrialRecord& r = records_[static_cast<size_t>(e.trial)];
+          r.running = -1;
+          save(r);
+          std::fprintf(stderr, "dtrain sweep: %s was lost (%s): %s runs again on another host from its checkpoint\n",
+                       hosts_->name(e.rank).c_str(), e.lost.c_str(), job_name(run.job).c_str());
+          continue;
+        }
+        reap(run, e.status, e.time_s, ", " + hosts_->name(e.rank));
+      }
+    }
+    if (ended || hosts_ == nullptr) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }
 
@@ -444,6 +444,9 @@ int SweepRunner::finish() {
   std::string lines;
   for (const auto& j : results) lines += j.dump() + "\n";
   write_file_atomic(dir_ + "/results.jsonl", lines, "sweep");
+  if (hosts_ != nullptr) {
+    write_file_atomic(dir_ + "/hosts.json", hosts_->summary(opts_.parallel, local_jobs_).dump(1) + "\n", "sweep");
+  }
   if (opts_.json) {
     std::fputs(lines.c_str(), stdout);
   } else {
@@ -504,16 +507,24 @@ void add_sweep_options(CLI::App& app, SweepOptions& o) {
       ->capture_default_str();
   app.add_flag("--retry-failed", o.retry_failed, "with --resume: run the failed trials again");
   app.add_flag("--json", o.json, "print the results as JSON lines instead of the table");
+  app.add_option("--host-timeout", o.host_timeout,
+                 "across hosts (dtrain launch, mpirun): seconds a host may go without a heartbeat before its trials "
+                 "run again elsewhere; also how long the hosts get to join")
+      ->capture_default_str();
   app.add_flag("--keep-checkpoints", o.keep_checkpoints, "keep the trials' checkpoints when the sweep ends");
   app.add_option("train", o.train_args, "-- dtrain train options every trial gets (e.g. -- --model mlp --steps 400)");
 }
 
-int run_sweep(const CLI::App& app, const SweepOptions& options) {
+namespace {
+
+int coordinate_sweep(const CLI::App& app, const SweepOptions& options, SweepHosts* hosts) {
   SweepOptions o = options;
   DT_CHECK(o.dir.empty() != o.resume.empty(), "sweep",
            "give --dir DIR for a new sweep or --resume DIR to continue one (not both)");
   const bool resume = !o.resume.empty();
-  const std::string dir = resume ? o.resume : o.dir;
+  // Across hosts the directory's path must be the same on each: the jobs' files are named by it.
+  const std::string dir = hosts != nullptr ? fs::absolute(resume ? o.resume : o.dir).lexically_normal().string()
+                                           : (resume ? o.resume : o.dir);
   nlohmann::json stored;
   train::SweepSpec base;
   if (resume) {
@@ -575,16 +586,42 @@ int run_sweep(const CLI::App& app, const SweepOptions& options) {
   nlohmann::json manifest = search;
   manifest["run"] = {{"parallel", o.parallel}, {"retries", o.retries}};
   write_file_atomic(dir + "/sweep.json", manifest.dump(1) + "\n", "sweep");
-  std::fprintf(stderr, "dtrain sweep: %s, %zu trials%s, %s %s, %d at a time, in %s\n",
+  if (hosts != nullptr) hosts->meet(dir);
+  std::fprintf(stderr, "dtrain sweep: %s, %zu trials%s, %s %s, %d at a time%s, in %s\n",
                train::strategy_name(plan.spec.strategy), plan.trials.size(),
                plan.rungs.size() > 1 ? fmt::format(", rungs of {} steps", fmt::join(plan.rungs, "/")).c_str() : "",
-               plan.spec.mode.c_str(), plan.spec.metric.c_str(), o.parallel, dir.c_str());
-  SweepRunner runner(plan, dir, o);
+               plan.spec.mode.c_str(), plan.spec.metric.c_str(), o.parallel,
+               hosts != nullptr ? fmt::format(" here and {} on the other hosts", hosts->slots()).c_str() : "",
+               dir.c_str());
+  SweepRunner runner(plan, dir, o, hosts);
   runner.load(resume);
   runner.run();
   const int code = runner.finish();
+  if (hosts != nullptr) hosts->end("");
   ::close(lock_fd);
   return code;
+}
+
+}  // namespace
+
+int run_sweep(const CLI::App& app, const SweepOptions& options) {
+  DT_CHECK(options.host_timeout > 0, "sweep", "--host-timeout {} must be positive", options.host_timeout);
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options.host_timeout * 1000.0));
+  // Started as one of several ranks (dtrain launch, mpirun, srun): rank 0 coordinates, the others run its jobs.
+  std::optional<SweepWorld> world = sweep_world(timeout);
+  if (world && world->rank > 0) {
+    DT_CHECK(options.parallel >= 1 && options.parallel <= 256, "sweep", "--parallel {} not in [1, 256]",
+             options.parallel);
+    return run_sweep_worker(*world, options.parallel, timeout);
+  }
+  std::unique_ptr<SweepHosts> hosts;
+  if (world) hosts = std::make_unique<SweepHosts>(std::move(*world), timeout);
+  try {
+    return coordinate_sweep(app, options, hosts.get());
+  } catch (const std::exception& e) {
+    if (hosts) hosts->end(e.what());  // the workers stop and say why
+    throw;
+  }
 }
 
 }  // namespace dtrain::tools

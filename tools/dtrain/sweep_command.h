@@ -28,6 +28,7 @@ struct SweepOptions {
   bool retry_failed = false;
   bool json = false;
   bool keep_checkpoints = false;
+  double host_timeout = 60.0;  // across hosts: seconds without a heartbeat before a host is lost
 };
 
 void add_sweep_options(CLI::App& app, SweepOptions& opts);

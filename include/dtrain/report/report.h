@@ -24,4 +24,12 @@ struct ReportInput {
 /// no readable metrics at all (a missing or empty file, not JSON lines).
 std::string build_report(const std::vector<ReportInput>& runs, const std::string& title);
 
+/// Whether `path` is a dtrain sweep's directory (it holds sweep.json).
+bool is_sweep(const std::string& path);
+/// The page of a sweep (dtrain sweep --dir DIR, finished: results.jsonl): every trial's metric at
+/// the end of each of its jobs and its training loss on one chart each, trials stopped early by
+/// asha dashed, and the results table (best first) with the command that reproduces each trial.
+/// Throws dtrain::Error naming the directory when it has no results.
+std::string build_sweep_report(const std::string& dir, const std::string& title);
+
 }  // namespace dtrain::report
