@@ -33,9 +33,18 @@ class Report : public ::testing::Test {
   static fs::path dir_;
   static std::string path(const std::string& name) { return (dir_ / name).string(); }
 
+  // A failed assertion in SetUpTestSuite makes gtest skip the suite's tests, and CTest counts a
+  // skip as a pass: the suite's runs record what went wrong and every test fails with it.
+  static std::string setup_error_;
+  static void fail_setup(const std::string& what) {
+    setup_error_ = what;
+    ::unsetenv("DTRAIN_FAULT");
+  }
+  void SetUp() override { ASSERT_TRUE(setup_error_.empty()) << "the runs the reports are made of: " << setup_error_; }
+
   static void SetUpTestSuite() {
     char tmpl[] = "/tmp/dtrain-report-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    if (mkdtemp(tmpl) == nullptr) return fail_setup("mkdtemp failed");
     dir_ = tmpl;
     ::setenv("DTRAIN_FLIGHT_DIR", dir_.c_str(), 1);
     // The demo's job, shorter.
@@ -43,12 +52,12 @@ class Report : public ::testing::Test {
         "train --dp 2 --zero 1 --model mlp --hidden 256,256 --steps 60 --batch-size 64 --optimizer adamw --lr 1e-3 "
         "--lr-schedule cosine --min-lr 1e-5 --log-every 5 --progress=false --metrics " +
         path("demo.jsonl") + " --trace " + path("demo-trace.json"));
-    ASSERT_EQ(demo.code, 0) << demo.output;
+    if (demo.code != 0) return fail_setup("the demo job failed:\n" + demo.output);
     ProcessResult pp = dtrain(
         "train --dp 2 --pp 2 --model mlp --hidden 64,64 --micro-batches 4 --steps 30 --batch-size 64 --log-every 3 "
         "--progress=false --metrics " +
         path("pp.jsonl") + " --trace " + path("pp-trace.json"));
-    ASSERT_EQ(pp.code, 0) << pp.output;
+    if (pp.code != 0) return fail_setup("the pipeline job failed:\n" + pp.output);
     ::setenv("DTRAIN_FAULT", "kill:rank=1:step=13", 1);
     ProcessResult fault = dtrain(
         "train --dp 2 --model mlp --hidden 64 --steps 40 --batch-size 32 --log-every 2 --progress=false "
@@ -56,8 +65,10 @@ class Report : public ::testing::Test {
         path("ckpt") + " --checkpoint-every 8 --max-restarts 1 --metrics " + path("fault.jsonl") + " --trace " +
         path("fault-trace.json"));
     ::unsetenv("DTRAIN_FAULT");
-    ASSERT_EQ(fault.code, 0) << fault.output;
-    ASSERT_NE(fault.output.find("restarting all 2 workers"), std::string::npos) << fault.output;
+    if (fault.code != 0) return fail_setup("the fault job failed:\n" + fault.output);
+    if (fault.output.find("restarting all 2 workers") == std::string::npos) {
+      return fail_setup("the fault job did not restart:\n" + fault.output);
+    }
     // Rank 1 fails on every start: after two, the job goes on with one worker (a resize).
     ::setenv("DTRAIN_FAULT", "kill:rank=1:step=15:attempt=any", 1);
     ProcessResult resize = dtrain(
@@ -66,8 +77,10 @@ class Report : public ::testing::Test {
         path("ckpt-resize") + " --checkpoint-every 10 --max-restarts 2 --min-workers 1 --metrics " +
         path("resize.jsonl"));
     ::unsetenv("DTRAIN_FAULT");
-    ASSERT_EQ(resize.code, 0) << resize.output;
-    ASSERT_NE(resize.output.find("continuing with 1 workers"), std::string::npos) << resize.output;
+    if (resize.code != 0) return fail_setup("the resize job failed:\n" + resize.output);
+    if (resize.output.find("continuing with 1 workers") == std::string::npos) {
+      return fail_setup("the resize job did not go on with 1 worker:\n" + resize.output);
+    }
   }
   static void TearDownTestSuite() {
     ::unsetenv("DTRAIN_FLIGHT_DIR");
@@ -142,6 +155,7 @@ class Report : public ::testing::Test {
 };
 
 fs::path Report::dir_;
+std::string Report::setup_error_;
 
 std::string fmt_trial(const std::string& dir, int64_t trial) {
   char name[32];

@@ -759,6 +759,16 @@ void Launch::report() {
     result_.exit_code = 128 + received_signal_;
   }
   if (result_.exit_code != 0) {
+    // A worker that a signal from outside killed (kill -9, the OOM killer, a crash) is the cause
+    // rather than a peer that raised because it died, even when the peer's exit was seen in an
+    // earlier poll (a loaded machine): elastic restarts count failures by these ranks.
+    std::vector<int> killed;
+    for (const auto& w : result_.workers) {
+      if (w.signal != 0 && !w.stopped_by_launcher) killed.push_back(w.rank);
+    }
+    const bool blames_killed = std::any_of(result_.first_failed.begin(), result_.first_failed.end(),
+                                           [&](int r) { return std::count(killed.begin(), killed.end(), r) > 0; });
+    if (!killed.empty() && !blames_killed) result_.first_failed = killed;
     for (const auto& w : result_.workers) {
       if (result_.report.find(fmt::format("rank {} (pid {})", w.rank, w.pid)) == std::string::npos) {
         result_.report += describe(w) + "\n";
