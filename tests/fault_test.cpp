@@ -90,7 +90,8 @@ TEST(Fault, ReadsEveryFaultOfASpecWhateverRankAndStart) {
 
 TEST(Fault, RefusesASpecItCannotReadNamingThePart) {
   const std::string expected =
-      "(expected kill|stop|delay|drop|hang|exit|skip|extra|mismatch:rank=R:step=S[:phase=step|allreduce|checkpoint]"
+      "(expected kill|stop|delay|drop|hang|exit|skip|extra|mismatch|bitflip:rank=R:step=S[:phase=step|allreduce|"
+      "checkpoint]"
       "[:attempt=A|any][:ms=M])";
   EXPECT_EQ(refusal("bogus"), "DTRAIN_FAULT 'bogus': cannot read 'bogus' " + expected);
   EXPECT_EQ(refusal("kill:rank=x:step=1"), "DTRAIN_FAULT 'kill:rank=x:step=1': cannot read 'rank=x' " + expected);
@@ -102,7 +103,7 @@ TEST(Fault, RefusesASpecItCannotReadNamingThePart) {
   // One bad fault in a list refuses the list, even when it is another rank's.
   EXPECT_EQ(refusal("kill:rank=3:step=1,kill:rank=3"),
             "DTRAIN_FAULT 'kill:rank=3:step=1,kill:rank=3': 'kill:rank=3' needs a kind (kill, stop, delay, drop, hang, "
-            "exit, skip, extra or mismatch) first, rank=R and step=S (S >= 1)");
+            "exit, skip, extra, mismatch or bitflip) first, rank=R and step=S (S >= 1)");
   EXPECT_NE(refusal("rank=0:step=1").find("needs a kind"), std::string::npos);
   EXPECT_NE(refusal("kill:rank=0:step=0").find("needs a kind"), std::string::npos);
   EXPECT_EQ(refusal("delay:rank=0:step=1"),

@@ -7,7 +7,7 @@
    (3 s here), naming it. (gloo: printed.)
 3. DTRAIN_FAULT=kill:rank=1:step=3 (a step is a collective of the world in a torch job): rank 1
    dies as it issues its third all_reduce; rank 0 raises naming it. A spec with a kind a torch
-   job cannot act on (drop, hang, skip, extra, mismatch, phase=allreduce|checkpoint), or a
+   job cannot act on (drop, hang, skip, extra, mismatch, bitflip, phase=allreduce|checkpoint), or a
    malformed one, is refused by
    init_process_group on every rank, whichever rank it names.
 4. rank 0 calls all_reduce while rank 1 calls broadcast: both ranks raise, each naming both
@@ -112,6 +112,7 @@ REFUSED_FAULTS = (
     ("skip:rank=1:step=2", ("skip", "PyTorch job")),
     ("extra:rank=0:step=1", ("extra", "PyTorch job")),
     ("mismatch:rank=1:step=3", ("mismatch", "PyTorch job")),
+    ("bitflip:rank=1:step=3", ("bitflip", "PyTorch job")),
     ("delay:rank=1:step=1:ms=5:phase=checkpoint", ("phase=checkpoint", "PyTorch job")),
     ("kill:rank=1", ("'kill:rank=1'", "step=S", "PyTorch job")),
 )
