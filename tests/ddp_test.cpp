@@ -211,7 +211,9 @@ TEST(DataParallel, Int8OptimizerStateEqualsOneProcessBitwiseInAQuarterOfTheBytes
   EXPECT_EQ(single.final_params[0], dp.final_params[0]);
   EXPECT_EQ(dp.final_params[0], dp.final_params[1]);
   EXPECT_NE(dp.final_params[0], f32.final_params[0]);  // the state really was quantized
-  EXPECT_LT(max_rel(f32.final_params[0], dp.final_params[0]), 0.05);
+  // Close to f32: AdamW moves an element about lr (1e-2) a step; the codes change some moves by a
+  // fraction of that (6 steps: under a tenth of the largest parameter).
+  EXPECT_LT(max_rel(f32.final_params[0], dp.final_params[0]), 0.1);
   EXPECT_GE(static_cast<double>(f32.optimizer_bytes[0]) / static_cast<double>(dp.optimizer_bytes[0]), 3.9);
 }
 
