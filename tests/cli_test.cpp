@@ -385,7 +385,8 @@ TEST_F(Cli, Int8OptimizerStateResumesBitwiseAndIsAboutFourTimesSmaller) {
   EXPECT_EQ(f32["optimizer_state"], "f32");
   EXPECT_GE(f32["optimizer_state_bytes"].get<double>() / f["optimizer_state_bytes"].get<double>(), 3.9);
   EXPECT_NE(f["params_digest"], f32["params_digest"]);
-  EXPECT_GT(f["test_accuracy"].get<double>(), 0.5);  // chance is 0.1
+  EXPECT_GT(f["test_accuracy"].get<double>(), 0.2);  // learning after 12 steps (chance is 0.1)
+  EXPECT_NEAR(f["test_accuracy"].get<double>(), f32["test_accuracy"].get<double>(), 0.05);
   // Killed at step 10 and run again: it resumes from the step 8 checkpoint to the same bits.
   const std::string one = q8 + " --checkpoint-dir " + path("ckpt") + " --checkpoint-every 4";
   ::setenv("DTRAIN_FAULT", "kill:rank=0:step=10", 1);
