@@ -371,6 +371,83 @@ TEST_F(Cli, AKilledRunResumesFromItsCheckpointToTheSameParametersBitwise) {
   EXPECT_TRUE(fs::exists(path("one/step-00000012/manifest.json")));
 }
 
+// --optimizer-state int8: AdamW's moments in 8 bits, in memory and in checkpoints (about 6 bytes
+// per parameter with the f32 parameters, against 12); a killed run resumes to the same bits, two
+// replicas equal one process accumulating their micro-batches, and ZeRO or SGD are refused.
+TEST_F(Cli, Int8OptimizerStateResumesBitwiseAndIsAboutFourTimesSmaller) {
+  const std::string mlp = "train --model mlp --hidden 32 --batch-size 32 --steps 12 --progress=false --log-every 4";
+  const std::string q8 = mlp + " --optimizer-state int8";
+  ASSERT_EQ(dtrain(mlp + " --metrics " + path("f32.jsonl")).code, 0);
+  ProcessResult ref = dtrain(q8 + " --metrics " + path("ref.jsonl"));
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const nlohmann::json f32 = final_record("f32.jsonl"), f = final_record("ref.jsonl");
+  EXPECT_EQ(f["optimizer_state"], "int8");
+  EXPECT_EQ(f32["optimizer_state"], "f32");
+  EXPECT_GE(f32["optimizer_state_bytes"].get<double>() / f["optimizer_state_bytes"].get<double>(), 3.9);
+  EXPECT_NE(f["params_digest"], f32["params_digest"]);
+  EXPECT_GT(f["test_accuracy"].get<double>(), 0.2);  // learning after 12 steps (chance is 0.1)
+  EXPECT_NEAR(f["test_accuracy"].get<double>(), f32["test_accuracy"].get<double>(), 0.05);
+  // Killed at step 10 and run again: it resumes from the step 8 checkpoint to the same bits.
+  const std::string one = q8 + " --checkpoint-dir " + path("ckpt") + " --checkpoint-every 4";
+  ::setenv("DTRAIN_FAULT", "kill:rank=0:step=10", 1);
+  ProcessResult killed = dtrain(one);
+  ::unsetenv("DTRAIN_FAULT");
+  EXPECT_NE(killed.code, 0) << killed.output;
+  const int64_t params = f["params"].get<int64_t>();
+  ASSERT_TRUE(fs::exists(path("ckpt/step-00000008/rank-0.dtm")));
+  EXPECT_LT(static_cast<int64_t>(fs::file_size(path("ckpt/step-00000008/rank-0.dtm"))), 7 * params);
+  ProcessResult resumed = dtrain(one + " --metrics " + path("resumed.jsonl"));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + path("ckpt") + "/step-00000008"), std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(final_record("resumed.jsonl")["params_digest"], f["params_digest"]);
+  // Two replicas against one process accumulating the same two micro-batches.
+  ProcessResult dp = dtrain(q8 + " --dp 2 --metrics " + path("dp.jsonl"), 300);
+  ASSERT_EQ(dp.code, 0) << dp.output;
+  ProcessResult acc = dtrain(q8 + " --accumulate 2 --metrics " + path("acc.jsonl"));
+  ASSERT_EQ(acc.code, 0) << acc.output;
+  EXPECT_EQ(final_record("dp.jsonl")["params_digest"], final_record("acc.jsonl")["params_digest"]);
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {" --dp 2 --zero 1", "--optimizer-state int8 with --zero 1 is not supported"},
+      {" --optimizer sgd", "--optimizer-state int8 quantizes AdamW's moments; --optimizer sgd has none"}};
+  for (const auto& [flags, says] : refused) {
+    ProcessResult r = dtrain(q8 + flags);
+    EXPECT_NE(r.code, 0) << flags;
+    EXPECT_NE(r.output.find(says), std::string::npos) << flags << ": " << r.output;
+  }
+  ProcessResult bad = dtrain(mlp + " --optimizer-state int4");
+  EXPECT_NE(bad.output.find("--optimizer-state 'int4': expected f32 or int8"), std::string::npos) << bad.output;
+}
+
+// --offload: AdamW's state in memory-mapped files gives the in-memory run's bits, and a kill -9 in
+// the middle of an offloaded optimizer step (the state files half updated) resumes from the last
+// checkpoint to the same bits, for both state formats.
+TEST_F(Cli, OffloadedStateTrainsLikeMemoryAndAKillMidStepResumesBitwise) {
+  const std::string mlp = "train --model mlp --hidden 32 --batch-size 32 --steps 12 --progress=false --log-every 4";
+  for (const std::string state : {"f32", "int8"}) {
+    const std::string run = mlp + " --optimizer-state " + state;
+    ProcessResult ref = dtrain(run + " --metrics " + path(state + "-ref.jsonl"));
+    ASSERT_EQ(ref.code, 0) << ref.output;
+    const std::string off = run + " --offload " + path(state + "-state") + " --checkpoint-dir " +
+                            path(state + "-ckpt") + " --checkpoint-every 4";
+    ::setenv("DTRAIN_FAULT", "kill:rank=0:step=10:phase=optimizer", 1);
+    ProcessResult killed = dtrain(off);
+    ::unsetenv("DTRAIN_FAULT");
+    EXPECT_NE(killed.code, 0) << killed.output;
+    EXPECT_NE(killed.output.find("at step 10 in the middle of its optimizer step"), std::string::npos) << killed.output;
+    ProcessResult resumed = dtrain(off + " --metrics " + path(state + "-off.jsonl"));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from " + path(state + "-ckpt") + "/step-00000008"), std::string::npos)
+        << resumed.output;
+    const nlohmann::json f = final_record(state + "-off.jsonl");
+    EXPECT_TRUE(f["offload"].get<bool>());
+    EXPECT_EQ(f["params_digest"], final_record(state + "-ref.jsonl")["params_digest"]) << state;
+  }
+  ProcessResult sgd = dtrain(mlp + " --optimizer sgd --offload " + path("sgd"));
+  EXPECT_NE(sgd.output.find("--offload streams AdamW's state; --optimizer sgd is not supported"), std::string::npos)
+      << sgd.output;
+}
+
 // --compress: the gradients travel compressed (counted on the wire), the run still learns, and
 // a codec that does not exist or PowerSGD with ZeRO is refused before anything starts.
 TEST_F(Cli, CompressedGradientsSendFewerBytesAndStillTrain) {

@@ -91,7 +91,7 @@ TEST(Fault, ReadsEveryFaultOfASpecWhateverRankAndStart) {
 TEST(Fault, RefusesASpecItCannotReadNamingThePart) {
   const std::string expected =
       "(expected kill|stop|delay|drop|hang|exit|skip|extra|mismatch|bitflip:rank=R:step=S[:phase=step|allreduce|"
-      "checkpoint]"
+      "checkpoint|optimizer]"
       "[:attempt=A|any][:ms=M])";
   EXPECT_EQ(refusal("bogus"), "DTRAIN_FAULT 'bogus': cannot read 'bogus' " + expected);
   EXPECT_EQ(refusal("kill:rank=x:step=1"), "DTRAIN_FAULT 'kill:rank=x:step=1': cannot read 'rank=x' " + expected);

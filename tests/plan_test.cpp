@@ -181,6 +181,28 @@ TEST(PlanMemory, ZeroShardsOptimizerStateThenGradientsOverDataParallelRanks) {
   EXPECT_GT(all.memory.activations, 3 * one.memory.activations);
 }
 
+TEST(PlanMemory, Int8OptimizerStateIsAByteAPerMomentAndAScalePer256) {
+  const ModelSpec m = gpt_spec(4, 128, 4, 128);  // f32: no master copy
+  Layout l;
+  const Prediction f32 = predict(m, device(1e12), l, 16);
+  const double n = static_cast<double>(m.params());
+  EXPECT_DOUBLE_EQ(f32.memory.optimizer, 8 * n);
+  l.optimizer_state = "int8";
+  const Prediction q8 = predict(m, device(1e12), l, 16);
+  EXPECT_DOUBLE_EQ(q8.memory.optimizer, 2 * n * (1 + 4.0 / 256));
+  EXPECT_GE(f32.memory.optimizer / q8.memory.optimizer, 3.9);
+  EXPECT_NE(q8.layout.str().find("int8 optimizer state"), std::string::npos);
+  l.dp = 2;
+  l.zero = 1;
+  try {
+    check_layout(m, l, 16);
+    ADD_FAILURE() << "int8 state with --zero 1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer state 'int8' with adamw and --zero 1"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(PlanSearch, MemoryLimitExcludesLayoutsAndTheCheapestFeasibleIsRecommended) {
   const ModelSpec m = gpt_by_params(7e9, 2048, 50304);
   Hardware hw = device(9.9e14);

@@ -147,7 +147,7 @@ ModelFile decode_model(const std::string& bytes, const std::string& path) {
   for (uint32_t i = 0; i < count; ++i) {
     std::string name = r.str(r.get<uint32_t>("name length"), "tensor name");
     const auto dtype = r.get<uint8_t>("dtype");
-    DT_CHECK(dtype <= static_cast<uint8_t>(DType::f16), "model", "{}: tensor '{}': unknown dtype code {}", path, name,
+    DT_CHECK(dtype <= static_cast<uint8_t>(DType::u8), "model", "{}: tensor '{}': unknown dtype code {}", path, name,
              dtype);
     const auto ndim = r.get<uint32_t>("ndim");
     DT_CHECK(ndim <= 16, "model", "{}: tensor '{}': {} dimensions", path, name, ndim);

@@ -42,9 +42,12 @@ void read_part(const std::string& part, Fault& f, bool& kind_given) {
     f.step = std::stoll(value);
   } else if (key == "attempt") {
     f.attempt = value == "any" ? -1 : std::stoi(value);
-  } else if (key == "phase" && (value == "step" || value == "allreduce" || value == "checkpoint")) {
-    f.phase =
-        value == "step" ? FaultPhase::step : (value == "allreduce" ? FaultPhase::allreduce : FaultPhase::checkpoint);
+  } else if (key == "phase" &&
+             (value == "step" || value == "allreduce" || value == "checkpoint" || value == "optimizer")) {
+    f.phase = value == "step"         ? FaultPhase::step
+              : value == "allreduce"  ? FaultPhase::allreduce
+              : value == "checkpoint" ? FaultPhase::checkpoint
+                                      : FaultPhase::optimizer;
   } else {
     throw std::invalid_argument(part);
   }
@@ -65,7 +68,8 @@ Fault parse_fault(const std::string& spec, const std::string& one) {
       DT_THROW(
           "train",
           "DTRAIN_FAULT '{}': cannot read '{}' (expected "
-          "kill|stop|delay|drop|hang|exit|skip|extra|mismatch|bitflip:rank=R:step=S[:phase=step|allreduce|checkpoint]"
+          "kill|stop|delay|drop|hang|exit|skip|extra|mismatch|bitflip:rank=R:step=S[:phase=step|allreduce|checkpoint|"
+          "optimizer]"
           "[:attempt=A|any][:ms=M])",
           spec, part);
     }
@@ -148,7 +152,8 @@ std::vector<Fault> faults_from_env(int rank) {
 }
 
 void inject_faults(const std::vector<Fault>& faults, int64_t step, FaultPhase phase) {
-  static const char* const where[] = {"", " before its gradient all_reduce", " during its checkpoint write"};
+  static const char* const where[] = {"", " before its gradient all_reduce", " during its checkpoint write",
+                                      " in the middle of its optimizer step"};
   for (const Fault& f : faults) {
     if (f.step != step || f.phase != phase) continue;
     const char* at = where[static_cast<int>(phase)];

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "dtrain/core/error.h"
+#include "dtrain/optim/quantize.h"
 #include "dtrain/plan/plan.h"
 
 namespace dtrain::plan {
@@ -16,6 +17,7 @@ std::string Layout::str() const {
   if (pp > 1) s += fmt::format(", {} x {}", parallel::schedule_name(schedule), micro_batches);
   if (accumulate > 1) s += fmt::format(", accumulate {}", accumulate);
   if (recompute) s += ", recompute";
+  if (optimizer_state == "int8") s += ", int8 optimizer state";
   return s;
 }
 
@@ -49,6 +51,9 @@ void check_layout(const ModelSpec& model, const Layout& l, int64_t batch) {
   }
   DT_CHECK(l.optimizer == "adamw" || l.optimizer == "sgd" || l.optimizer == "sgd0", "plan",
            "optimizer '{}': expected adamw, sgd or sgd0", l.optimizer);
+  DT_CHECK(l.optimizer_state == "f32" || (l.optimizer_state == "int8" && l.optimizer == "adamw" && l.zero == 0), "plan",
+           "optimizer state '{}' with {} and --zero {}: expected f32, or int8 with adamw and --zero 0",
+           l.optimizer_state, l.optimizer, l.zero);
   DT_CHECK(l.bucket_bytes > 0, "plan", "--bucket-mb must be positive");
 }
 
@@ -142,9 +147,11 @@ Links links_of(const Hardware& hw, const Layout& l) {
   return out;
 }
 
-// Bytes of optimizer state per parameter (f32), beside a mixed-precision master copy.
+// Bytes of optimizer state per parameter (f32; int8 AdamW: a byte per moment and an f32 scale
+// per 256 of them), beside a mixed-precision master copy.
 double optimizer_state_bytes(const Layout& l, const Precision& p) {
-  const double state = l.optimizer == "adamw" ? 8.0 : (l.optimizer == "sgd" ? 4.0 : 0.0);
+  double state = l.optimizer == "adamw" ? 8.0 : (l.optimizer == "sgd" ? 4.0 : 0.0);
+  if (l.optimizer == "adamw" && l.optimizer_state == "int8") state = 2.0 * (1.0 + 4.0 / optim::kQuantBlock);
   return state + p.master_bytes;
 }
 

@@ -45,7 +45,7 @@ SearchResult search(const ModelSpec& model, const Hardware& hw, int64_t batch, c
         if (m <= o.max_micro_batches && (power_of_two(m) || m % pp == 0)) counts.push_back(m);
       }
       for (int zero : o.zero) {
-        if (zero > 0 && dp == 1) continue;
+        if (zero > 0 && (dp == 1 || base.optimizer_state == "int8")) continue;
         for (int64_t m : counts) {
           // Accumulation and recompute only buy memory: tried under a memory limit.
           if (pp == 1 && m > 1 && hw.memory <= 0) continue;

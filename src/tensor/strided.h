@@ -62,6 +62,8 @@ inline void strided_copy(const Tensor& src, Tensor& dst) {
     for_each_offset<2>(src.shape(), strides, [&](int64_t a, int64_t b) {
       reinterpret_cast<float*>(d)[b] = reinterpret_cast<const float*>(s)[a];
     });
+  } else if (es == 1) {
+    for_each_offset<2>(src.shape(), strides, [&](int64_t a, int64_t b) { d[b] = s[a]; });
   } else {
     for_each_offset<2>(src.shape(), strides, [&](int64_t a, int64_t b) {
       reinterpret_cast<uint16_t*>(d)[b] = reinterpret_cast<const uint16_t*>(s)[a];

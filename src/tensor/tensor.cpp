@@ -18,7 +18,18 @@
 
 namespace dtrain {
 
-size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+    case DType::f16:
+      return 2;
+    case DType::u8:
+      return 1;
+  }
+  return 4;
+}
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
@@ -28,6 +39,8 @@ const char* dtype_name(DType dtype) {
       return "bf16";
     case DType::f16:
       return "f16";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }
@@ -362,6 +375,8 @@ Tensor Tensor::detach() const {
 Tensor Tensor::to(DType target) const {
   Tensor src = detach().contiguous();
   if (target == dtype()) return src.clone();
+  DT_CHECK(target != DType::u8 && dtype() != DType::u8, "tensor",
+           "to: no conversion from {} to {} (u8 holds raw codes)", dtype_name(dtype()), dtype_name(target));
   Tensor out = empty(shape(), target);
   const int64_t n = numel();
   if (dtype() == DType::f32) {

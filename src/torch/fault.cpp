@@ -61,8 +61,13 @@ void check_applies(const std::string& spec, const launch::Fault& f) {
            spec, kind.name, f.rank, f.step);
   DT_CHECK(f.phase == launch::FaultPhase::step, "torch",
            "DTRAIN_FAULT '{}': phase={} (rank {}, step {}) means nothing in a PyTorch job, which has no gradient "
-           "all_reduce or checkpoint of dtrain's trainer: leave phase out (a step is a collective of the world here)",
-           spec, f.phase == launch::FaultPhase::allreduce ? "allreduce" : "checkpoint", f.rank, f.step);
+           "all_reduce, checkpoint or optimizer step of dtrain's trainer: leave phase out (a step is a collective of "
+           "the world here)",
+           spec,
+           f.phase == launch::FaultPhase::allreduce    ? "allreduce"
+           : f.phase == launch::FaultPhase::checkpoint ? "checkpoint"
+                                                       : "optimizer",
+           f.rank, f.step);
 }
 
 }  // namespace

@@ -6,7 +6,7 @@
 //   stop   SIGSTOP itself (a hung process);
 //   delay  sleep M ms (a straggler);
 //   exit   exit(0) (a program that ends early).
-// drop, hang, skip, extra and mismatch, and phase=allreduce|checkpoint, act at points of
+// drop, hang, skip, extra and mismatch, and phase=allreduce|checkpoint|optimizer, act at points of
 // dtrain's trainer that a torch job does not have: a spec naming them is refused, on every rank.
 // Rank R acts when it issues its S-th collective (1-based), before the collective starts; only
 // on start A of the job (DTRAIN_RESTART, default 0; attempt=any: every start).

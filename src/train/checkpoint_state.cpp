@@ -26,6 +26,10 @@ CheckpointShard checkpoint_shard(int64_t step, const nn::Model& model, const opt
   for (const auto& [name, t] : optimizer.state()) {
     const size_t dot = name.rfind('.');
     DT_CHECK(dot != std::string::npos, "checkpoint", "optimizer state '{}' has no index", name);
+    // 8-bit codes and their per-block scales cannot be cut into and joined from ZeRO pieces.
+    DT_CHECK(!zero || t.dtype() == DType::f32, "checkpoint",
+             "optimizer state '{}' is {}: a ZeRO-sharded optimizer's state must be f32 to be saved", name,
+             dtype_name(t.dtype()));
     auto& v = kinds[name.substr(0, dot)];
     v.resize(slots);
     v.at(std::stoul(name.substr(dot + 1))) = t;

@@ -46,6 +46,12 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
       {"epochs", &c.epochs, "passes over the training set (default 1)"},
       {"batch-size", &c.batch_size, "global batch size in samples (split over data-parallel ranks); gpt default 16"},
       {"optimizer", &c.optimizer, "optimizer: sgd | adamw"},
+      {"optimizer-state", &c.optimizer_state,
+       "AdamW's moments: f32 | int8 (8-bit codes with a scale per block of 256 values: about 4x less optimizer "
+       "memory; --zero 0 only)"},
+      {"offload", &c.offload,
+       "keep AdamW's state in memory-mapped files under this directory (one subdirectory per rank), streamed "
+       "through each step in 1 MiB chunks: resident memory holds a chunk of it, not all of it"},
       {"lr", &c.lr, "peak learning rate"},
       {"momentum", &c.momentum, "SGD momentum"},
       {"weight-decay", &c.weight_decay, "weight decay (decoupled for AdamW, L2 for SGD)"},
@@ -343,6 +349,17 @@ void finalize(TrainConfig& c) {
   DT_CHECK(!(!gpt && c.data.rfind("text:", 0) == 0), "config", "--model mlp trains on fashion-mnist, got '{}'", c.data);
   DT_CHECK(c.optimizer == "sgd" || c.optimizer == "adamw", "config", "--optimizer '{}': expected sgd or adamw",
            c.optimizer);
+  DT_CHECK(c.optimizer_state == "f32" || c.optimizer_state == "int8", "config",
+           "--optimizer-state '{}': expected f32 or int8", c.optimizer_state);
+  DT_CHECK(c.optimizer_state == "f32" || c.optimizer == "adamw", "config",
+           "--optimizer-state int8 quantizes AdamW's moments; --optimizer {} has none (use --optimizer adamw)",
+           c.optimizer);
+  DT_CHECK(c.optimizer_state == "f32" || c.zero == 0, "config",
+           "--optimizer-state int8 with --zero {} is not supported yet: the 256-value quantization blocks would "
+           "straddle the ZeRO shards' boundaries; use --zero 0 (or --optimizer-state f32)",
+           c.zero);
+  DT_CHECK(c.offload.empty() || c.optimizer == "adamw", "config",
+           "--offload streams AdamW's state; --optimizer {} is not supported (use --optimizer adamw)", c.optimizer);
   DT_CHECK(c.precision == "f32" || c.precision == "bf16", "config", "--precision '{}': expected f32 or bf16",
            c.precision);
   DT_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "config",

@@ -24,6 +24,7 @@ nlohmann::json run_options(const TrainConfig& c) {
                         {"epochs", c.epochs},
                         {"batch-size", c.batch_size},
                         {"optimizer", c.optimizer},
+                        {"optimizer-state", c.optimizer_state},
                         {"lr", c.lr},
                         {"momentum", c.momentum},
                         {"weight-decay", c.weight_decay},

@@ -29,6 +29,8 @@
 #include "dtrain/core/file.h"
 #include "dtrain/core/log.h"
 #include "dtrain/launch/fault.h"
+#include "dtrain/optim/offload.h"
+#include "dtrain/optim/quantize.h"
 #include "dtrain/parallel/ddp.h"
 #include "dtrain/parallel/exact.h"
 #include "dtrain/parallel/mesh.h"
@@ -64,7 +66,8 @@ std::unique_ptr<optim::Optimizer> build_optimizer(const TrainConfig& cfg, std::v
   if (cfg.optimizer == "sgd") {
     return std::make_unique<optim::Sgd>(std::move(params), cfg.lr, cfg.momentum, cfg.weight_decay);
   }
-  return std::make_unique<optim::AdamW>(std::move(params), cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
+  return std::make_unique<optim::AdamW>(std::move(params), cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                                        optim::parse_state_format(cfg.optimizer_state));
 }
 
 std::string model_metadata(const TrainConfig& cfg) {
@@ -147,10 +150,36 @@ StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
   StateEstimate e;
   e.params = 4 * local_params;
   e.grads = cfg.zero == 2 ? e.params / cfg.dp : e.params;
-  const int64_t copies = cfg.optimizer == "adamw" ? 2 : (cfg.momentum != 0.0f ? 1 : 0);
-  e.optimizer = copies * e.params / (cfg.zero >= 1 ? cfg.dp : 1);
+  int64_t state = cfg.optimizer == "adamw" ? 2 * e.params : (cfg.momentum != 0.0f ? e.params : 0);
+  // int8: a byte per moment and an f32 scale per 256 of them (each tensor's partial last block
+  // adds at most one scale more than this).
+  if (cfg.optimizer == "adamw" && cfg.optimizer_state == "int8") {
+    state = 2 * (local_params + 4 * ((local_params + optim::kQuantBlock - 1) / optim::kQuantBlock));
+  }
+  e.optimizer = state / (cfg.zero >= 1 ? cfg.dp : 1);
+  // Offloaded, the state is on disk; a step holds one chunk of each of its tensors (4 for int8).
+  if (!cfg.offload.empty()) e.optimizer = std::min<int64_t>(e.optimizer, 4 * 4 * optim::kOffloadChunk);
   return e;
 }
+
+// Offloaded state that tells the trainer when the step handed a chunk back: where
+// DTRAIN_FAULT's phase=optimizer fires, with the state files half updated.
+class ObservedStorage : public optim::StateStorage {
+ public:
+  ObservedStorage(std::shared_ptr<optim::StateStorage> inner, std::function<void()> after_release)
+      : inner_(std::move(inner)), after_release_(std::move(after_release)) {}
+  Tensor allocate(const std::string& name, const Shape& shape, DType dtype) override {
+    return inner_->allocate(name, shape, dtype);
+  }
+  void release(void* data, size_t bytes) override {
+    inner_->release(data, bytes);
+    after_release_();
+  }
+
+ private:
+  std::shared_ptr<optim::StateStorage> inner_;
+  std::function<void()> after_release_;
+};
 
 // CPU time of this process (all threads): with the train time, how much of the cores a run had
 // on a shared machine.
@@ -393,6 +422,12 @@ void Trainer::build_stage() {
                                                         cfg_.dp * cfg_.accumulate * cfg_.micro_batches);
   }
   optimizer_ = build_optimizer(cfg_, ddp_ ? ddp_->optimizer_params() : model_->parameters());
+  if (!cfg_.offload.empty()) {
+    // Inside step S the optimizer has counted S steps.
+    optimizer_->set_state_storage(std::make_shared<ObservedStorage>(
+        optim::offload_storage(fmt::format("{}/rank-{}", cfg_.offload, rank_)),
+        [this] { launch::inject_faults(faults_, optimizer_->step_count(), launch::FaultPhase::optimizer); }));
+  }
 }
 
 // The blocks of each pipeline stage: balanced by cost and memory, or --stages.
@@ -408,9 +443,12 @@ void Trainer::check_memory() const {
     DT_THROW("train",
              "the model needs {} per process ({} parameters: {} of parameters, {} of "
              "gradients, {} of {} state) but --memory-limit is {}; split it with --pp or --tp "
-             "(or shard the optimizer with --dp and --zero)",
+             "(or shard the optimizer with --dp and --zero{})",
              mib(need_.total()), model_->num_parameters(), mib(need_.params), mib(need_.grads), mib(need_.optimizer),
-             cfg_.optimizer, mib(cfg_.memory_limit));
+             cfg_.optimizer == "adamw" ? cfg_.optimizer_state + " adamw" : cfg_.optimizer, mib(cfg_.memory_limit),
+             cfg_.optimizer == "adamw" && cfg_.optimizer_state == "f32"
+                 ? ", or store AdamW's moments in 8 bits with --optimizer-state int8"
+                 : "");
   }
 }
 
@@ -916,6 +954,10 @@ TrainResult Trainer::finish() {
   result_.peak_rss = peak_rss_bytes();
   record["peak_rss_bytes"] = result_.peak_rss;
   record["state_bytes_per_rank"] = need_.total();
+  // What this rank's optimizer holds (its stage, its shard), as allocated.
+  record["optimizer_state"] = cfg_.optimizer == "adamw" ? cfg_.optimizer_state : "f32";
+  record["optimizer_state_bytes"] = optim::state_bytes(*optimizer_);
+  record["offload"] = !cfg_.offload.empty();
   if (group_) add_rank_figures(record);
   if (text_) {
     record["tokens_per_s"] = result_.tokens_per_s;

@@ -356,6 +356,7 @@ plan::Layout layout_of(const train::TrainConfig& cfg) {
   layout.recompute = cfg.recompute;
   layout.bucket_bytes = cfg.bucket_mb * kMiB;
   layout.optimizer = cfg.optimizer == "adamw" ? "adamw" : (cfg.momentum != 0.0f ? "sgd" : "sgd0");
+  layout.optimizer_state = cfg.optimizer == "adamw" ? cfg.optimizer_state : "f32";
   return layout;
 }
 

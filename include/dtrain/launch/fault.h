@@ -3,10 +3,12 @@
 // early at a chosen step.
 //
 // DTRAIN_FAULT is a comma-separated list of
-// KIND:rank=R:step=S[:phase=step|allreduce|checkpoint][:attempt=A][:ms=M]. Rank R acts when it
-// starts step S (1-based); with phase=allreduce, after its backward, when the other ranks are
-// in (or entering) the gradient all_reduce; with phase=checkpoint, in the middle of writing the
-// checkpoint of step S (its file written, the manifest not yet). KIND is
+// KIND:rank=R:step=S[:phase=step|allreduce|checkpoint|optimizer][:attempt=A][:ms=M]. Rank R acts
+// when it starts step S (1-based); with phase=allreduce, after its backward, when the other ranks
+// are in (or entering) the gradient all_reduce; with phase=checkpoint, in the middle of writing
+// the checkpoint of step S (its file written, the manifest not yet); with phase=optimizer (and
+// --offload), in the middle of its optimizer step, after the first chunk of offloaded state was
+// updated. KIND is
 //   kill   SIGKILL itself (a crash);
 //   stop   SIGSTOP itself (a hung process: only the heartbeats can tell);
 //   delay  sleep M ms (a straggler: the run goes on unless M exceeds --timeout);
@@ -35,7 +37,7 @@
 namespace dtrain::launch {
 
 /// Where in a step a fault fires.
-enum class FaultPhase { step, allreduce, checkpoint };
+enum class FaultPhase { step, allreduce, checkpoint, optimizer };
 enum class FaultKind { kill, stop, delay, drop, hang, exit, skip, extra, mismatch, bitflip };
 
 struct Fault {

@@ -3,7 +3,9 @@
 // untouched), as PyTorch does.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,6 +13,18 @@
 #include "dtrain/tensor/tensor.h"
 
 namespace dtrain::optim {
+
+/// Where an optimizer's state tensors live: the heap by default; memory-mapped files with
+/// --offload (offload.h), whose pages the step hands back as it goes.
+class StateStorage {
+ public:
+  virtual ~StateStorage() = default;
+  /// A zeroed, contiguous tensor for the state `name` ("exp_avg.3").
+  virtual Tensor allocate(const std::string& name, const Shape& shape, DType dtype) = 0;
+  /// The step is done with [data, data + bytes) for now: its memory may be given back (the
+  /// values stay). A no-op on the heap.
+  virtual void release(void* data, size_t bytes) = 0;
+};
 
 class Optimizer {
  public:
@@ -30,9 +44,19 @@ class Optimizer {
   /// Restores what state() and counters() returned for the same parameters; names, shapes and
   /// counts are checked (dtrain::Error naming the first mismatch).
   virtual void load_state(const std::vector<nn::NamedTensor>& state, const std::vector<int64_t>& counters) = 0;
+  /// Before any step or load_state: where the state tensors live from now on (null: the heap).
+  void set_state_storage(std::shared_ptr<StateStorage> storage) { storage_ = std::move(storage); }
 
  protected:
+  /// A zeroed state tensor from the storage (the heap without one).
+  Tensor new_state(const std::string& name, const Shape& shape, DType dtype = DType::f32) const;
+  /// `t` copied into a new state tensor named `name`.
+  Tensor stored_copy(const std::string& name, const Tensor& t) const;
+  /// Hands elements [offset, offset + count) of state tensor `t` back to the storage.
+  void release(const Tensor& t, int64_t offset, int64_t count) const;
+
   std::vector<Tensor> params_;
+  std::shared_ptr<StateStorage> storage_;
   float lr_ = 1e-3f;
   int64_t step_count_ = 0;
 };
@@ -53,20 +77,44 @@ class Sgd : public Optimizer {
   std::vector<Tensor> momentum_buf_;
 };
 
+/// How AdamW keeps its two moments: f32 (8 bytes per parameter), or int8: block-wise 8-bit codes
+/// with an f32 scale per block of 256 (quantize.h), about 2.03 bytes per parameter.
+enum class StateFormat : uint8_t { f32, int8 };
+/// "f32" | "int8"; throws dtrain::Error naming anything else.
+StateFormat parse_state_format(const std::string& name);
+const char* state_format_name(StateFormat format);
+
+/// Bytes of the optimizer's state tensors (what state() returns).
+int64_t state_bytes(const Optimizer& optimizer);
+
 /// AdamW (decoupled weight decay), PyTorch semantics with bias correction.
+///
+/// StateFormat::int8: each step dequantizes a block of 256 moments into f32, runs the same
+/// update kernel as f32 on it, and quantizes the block again; an element whose second moment
+/// codes to 0 gets a first moment of 0 (|m| <= 7.3 sqrt(v) for the default betas, so its m is
+/// below its block's resolution too), which keeps m / sqrt(v) from blowing up. state() then
+/// holds the codes (u8, shaped like the parameter: "exp_avg_q8.I", "exp_avg_sq_q8.I") and
+/// the scales (f32 [blocks]: "exp_avg_scale.I", "exp_avg_sq_scale.I"); load_state() takes
+/// either format's state and converts (exact when the format is the same).
 class AdamW : public Optimizer {
  public:
   AdamW(std::vector<Tensor> params, float lr, float beta1 = 0.9f, float beta2 = 0.999f, float eps = 1e-8f,
-        float weight_decay = 0.01f);
+        float weight_decay = 0.01f, StateFormat format = StateFormat::f32);
   void step() override;
   std::vector<nn::NamedTensor> state() const override;
   std::string name() const override { return "adamw"; }
+  StateFormat format() const { return format_; }
   std::vector<int64_t> counters() const override;
   void load_state(const std::vector<nn::NamedTensor>& state, const std::vector<int64_t>& counters) override;
 
  private:
+  // One step of parameter i on 8-bit state, block by block.
+  void step_int8(size_t i, const float* g, float decay, float step_size, float inv_bc2_sqrt);
+
   float beta1_, beta2_, eps_, weight_decay_;
-  std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  StateFormat format_;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;  // f32: the moments; int8: their codes (u8)
+  std::vector<Tensor> avg_scale_, sq_scale_;  // int8: one scale per block
   std::vector<int64_t> steps_;
 };
 

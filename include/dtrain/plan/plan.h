@@ -98,7 +98,8 @@ struct Layout {
   bool recompute = false;
   std::vector<nn::BlockRange> stages;  // empty: balanced like the trainer
   double bucket_bytes = 25.0 * (1 << 20);
-  std::string optimizer = "adamw";  // adamw | sgd (momentum) | sgd0 (no momentum)
+  std::string optimizer = "adamw";      // adamw | sgd (momentum) | sgd0 (no momentum)
+  std::string optimizer_state = "f32";  // AdamW's moments: f32 | int8 (block-wise 8-bit; ZeRO 0 only)
   int world() const { return dp * pp * tp; }
   std::string str() const;  // "dp 2 x pp 2 x tp 1, zero 1, 1f1b x 8"
 };

@@ -1,5 +1,6 @@
 // Dense tensors with shape, strides and a dtype. Compute is f32; bf16 and f16 are storage
-// types (used later to compress communication). A Tensor is a cheap shared handle: copies
+// types (used later to compress communication); u8 holds raw bytes (the codes of 8-bit
+// optimizer state) that only copy, clone and files handle. A Tensor is a cheap shared handle: copies
 // share storage, views (reshape, transpose, slice) share storage with new strides.
 #pragma once
 
@@ -11,7 +12,7 @@
 
 namespace dtrain {
 
-enum class DType : uint8_t { f32, bf16, f16 };
+enum class DType : uint8_t { f32, bf16, f16, u8 };
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 

@@ -28,7 +28,9 @@ struct TrainConfig {
   int64_t epochs = 0;       // 0 and steps 0 = 1 epoch
   int64_t batch_size = 64;  // global batch
   // optimisation
-  std::string optimizer = "adamw";  // sgd | adamw
+  std::string optimizer = "adamw";      // sgd | adamw
+  std::string optimizer_state = "f32";  // AdamW's moments: f32 | int8 (block-wise 8-bit, about 4x smaller)
+  std::string offload;                  // AdamW's state in memory-mapped files under this directory (empty: memory)
   float lr = 1e-3f;
   float momentum = 0.9f;
   float weight_decay = 0.0f;
