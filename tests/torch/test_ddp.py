@@ -2,9 +2,10 @@
 Fashion-MNIST, the byte GPT on the fortunes, torchvision's ResNet-18 on generated images)
 train unmodified with backend "dtrain": after 50 SGD steps every step's loss equals gloo's
 within 1e-5 relative (at 2 ranks the sums are a0 + a1 in both, so the losses are equal bit for
-bit; at 3 the summation orders differ). The MLP also runs under `dtrain launch` (env://), with
-torch's allreduce_hook (the bucket's all_reduce through its future), and with
-dtrain_torch.compression_hook (int8 with error feedback: within 2% of the exact losses)."""
+bit; at 3 the summation orders differ: 1e-5 over the first 10 steps, 1e-4 over all 50). The MLP
+also runs under `dtrain launch` (env://), with torch's allreduce_hook (the bucket's all_reduce
+through its future), and with dtrain_torch.compression_hook (int8 with error feedback: within
+2% of the exact losses)."""
 
 import json
 import os
@@ -55,13 +56,14 @@ def dtrain_torch_dir():
     return os.path.dirname(os.path.abspath(dtrain_torch.__file__))
 
 
-def compare(a, b, rtol):
+def compare(a, b, rtol, steps=None):
     (wa, ra), (wb, rb) = a, b
-    worst = max(abs(x - y) / abs(y) for x, y in zip(ra["losses"], rb["losses"]))
+    pairs = list(zip(ra["losses"], rb["losses"]))[:steps]
+    worst = max(abs(x - y) / abs(y) for x, y in pairs)
     util.check(worst <= rtol, wa, "vs", wb, f"losses differ by {worst:.3g} relative (bound {rtol})",
                ra["losses"][-3:], rb["losses"][-3:])
     print(f"{wa} vs {wb}: loss at step {STEPS} {ra['losses'][-1]:.7f} vs {rb['losses'][-1]:.7f}, "
-          f"largest relative difference over the steps {worst:.2g}", flush=True)
+          f"largest relative difference over {len(pairs)} steps {worst:.2g}", flush=True)
 
 
 def main():
@@ -72,7 +74,14 @@ def main():
             compare(train(job, 2, "dtrain", launched=True), gloo, 1e-5)
             compare(train(job, 2, "dtrain", ["--comm-hook", "allreduce"]), gloo, 1e-5)
             compare(train(job, 2, "dtrain", ["--comm-hook", "int8"]), gloo, 0.02)
-            compare(train(job, 3, "dtrain"), train(job, 3, "gloo"), 1e-5)
+            # At 3 ranks gloo's ring and dtrain's rank-order sum round differently (about 1e-7 in
+            # a step's gradient), and SGD at this rate amplifies it step by step: on an AMD EPYC
+            # VM the losses were 3e-7 apart at step 5, 3e-6 at step 10 and 3e-5 at step 48,
+            # the same on every rerun. So 1e-5 over the first 10 steps and 1e-4 over all 50; a
+            # wrong average, a lost or doubled bucket moves the loss by far more than that.
+            x3_dtrain, x3_gloo = train(job, 3, "dtrain"), train(job, 3, "gloo")
+            compare(x3_dtrain, x3_gloo, 1e-5, steps=10)
+            compare(x3_dtrain, x3_gloo, 1e-4)
 
 
 if __name__ == "__main__":
