@@ -26,16 +26,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class Cli : public CliTest {
- protected:
-  // A small English text corpus for GPT tests.
-  std::string corpus() const {
-    std::string text;
-    for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
-    write("corpus.txt", text);
-    return path("corpus.txt");
-  }
-};
+class Cli : public CliTest {};
 
 const char* kSmallMlp = "train --model mlp --hidden 64 --batch-size 32 --steps 60 --progress=false --log-every 20";
 

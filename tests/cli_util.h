@@ -109,6 +109,13 @@ class CliTest : public ::testing::Test {
   }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
+  // A small English text corpus for GPT tests.
+  std::string corpus() const {
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    write("corpus.txt", text);
+    return path("corpus.txt");
+  }
   nlohmann::json final_record(const std::string& metrics) const {
     std::ifstream in(path(metrics));
     std::string line, last;

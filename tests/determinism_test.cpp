@@ -18,12 +18,6 @@ namespace {
 
 class Determinism : public CliTest {
  protected:
-  std::string corpus() const {
-    std::string text;
-    for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
-    write("corpus.txt", text);
-    return path("corpus.txt");
-  }
   // Runs `args` with --metrics; the run's params digest (empty when it failed: the test fails).
   std::string digest(const std::string& args, const std::string& name) {
     const ProcessResult r = dtrain(args + " --metrics " + path(name + ".jsonl"), 300);
