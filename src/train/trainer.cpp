@@ -275,7 +275,9 @@ class Trainer {
   void announce() const;
 
   void train_step(int64_t step);
-  data::Batch micro_batch(int64_t step, int64_t k) const;
+  data::Batch micro_batch(int64_t step, int64_t k) const { return micro_batch(step, k, coord_.dp); }
+  data::Batch micro_batch(int64_t step, int64_t k, int replica) const;
+  void reseed_global_dropout(int64_t step, int64_t k, int replica);
   double pipeline_round(int64_t step, int64_t a);
   double micro_step(int64_t step, int64_t a);
   void add_exact(int64_t step);
@@ -652,12 +654,19 @@ void Trainer::train_step(int64_t step) {
   log_step(step, step_loss);
 }
 
-// Micro-batch k of this replica in step `step`.
-data::Batch Trainer::micro_batch(int64_t step, int64_t k) const {
+// Micro-batch k of data-parallel replica `replica` in this step (the audit asks for another's).
+data::Batch Trainer::micro_batch(int64_t step, int64_t k, int replica) const {
   const int64_t pos = (step % steps_per_epoch_) * batch_;
-  const int64_t at = pos + (k * cfg_.dp + coord_.dp) * micro_;
+  const int64_t at = pos + (k * cfg_.dp + replica) * micro_;
   std::vector<int64_t> idx(epoch_indices_.begin() + at, epoch_indices_.begin() + at + micro_);
   return src_.train->get(idx);
+}
+
+// --deterministic: dropout masks per global micro-batch (k of `replica`), not per replica, so
+// that any layout, and an auditor recomputing another replica's micro-batch, draws the same ones.
+void Trainer::reseed_global_dropout(int64_t step, int64_t k, int replica) {
+  nn::reseed_dropout(
+      *model_, (static_cast<uint64_t>(step) << 20) ^ (static_cast<uint64_t>(k * cfg_.dp + replica) << 1) ^ uint64_t{1});
 }
 
 // Accumulation round `a` through the pipeline: its M micro-batches; returns their loss sum
@@ -711,12 +720,7 @@ double Trainer::micro_step(int64_t step, int64_t a) {
     b = micro_batch(step, a);
   }
   if (ddp_) ddp_->set_sync(sync);
-  // --deterministic: dropout masks per global micro-batch, not per replica, so that any layout
-  // draws the same ones.
-  if (cfg_.deterministic) {
-    nn::reseed_dropout(*model_, (static_cast<uint64_t>(step) << 20) ^
-                                    (static_cast<uint64_t>(a * cfg_.dp + coord_.dp) << 1) ^ uint64_t{1});
-  }
+  if (cfg_.deterministic) reseed_global_dropout(step, a, coord_.dp);
   comm::note_progress("forward", step + 1);
   Tensor loss = model_->loss(model_->forward(b.x), b.y);
   const auto tf = Clock::now();
@@ -786,11 +790,8 @@ void Trainer::audit(int64_t step) {
   comm::note_progress("auditing a micro-batch", step + 1);
   const int dp = cfg_.dp;
   const int next = (coord_.dp + 1) % dp;
-  const int64_t pos = (step % steps_per_epoch_) * batch_;
-  const int64_t at = pos + static_cast<int64_t>(next) * micro_;
-  std::vector<int64_t> idx(epoch_indices_.begin() + at, epoch_indices_.begin() + at + micro_);
-  const data::Batch b = src_.train->get(idx);
-  nn::reseed_dropout(*model_, (static_cast<uint64_t>(step) << 20) ^ (static_cast<uint64_t>(next) << 1) ^ uint64_t{1});
+  const data::Batch b = micro_batch(step, 0, next);
+  reseed_global_dropout(step, 0, next);
   ddp_->zero_grad();
   model_->loss(model_->forward(b.x), b.y).backward();
   std::vector<uint64_t> mine = own_checksums_;
