@@ -162,6 +162,26 @@ TEST(RootCause, EveryRankInTheCallAndOneLostItsNetwork) {
             "group 'world'");
 }
 
+// Seen on a loaded machine: the rank that lost its sockets still entered the next intra-host call
+// (which needs none) before the others, so they look as if they never called it. The network is the cause.
+TEST(RootCause, TheRankThatLostItsNetworkIsTheCauseEvenOneCallAhead) {
+  const double t = 1e6;
+  std::vector<FlightRecord> records;
+  for (int r : {0, 1}) {
+    records.push_back(record(r, t, {{"world/split0/color0", r, 3, {0, 1, 2}, done(22)}}));
+  }
+  records.push_back(record(
+      2, t, {{"world/split0/color0", 2, 3, {0, 1, 2}, plus(done(22), {{22, "all_reduce_shared", "failed", 0, 0}})}},
+      "heartbeat: rank 2 cannot reach the rendezvous store: connection reset"));
+  EXPECT_EQ(root_cause(records, {}, -1, false),
+            "rank 2 lost its network (it cannot reach the rendezvous store) while in all_reduce_shared #22 on group "
+            "'world/split0/color0', which ranks 0 and 1 had not reached yet");
+  // Without the heartbeat's finding it is what the records say: the others never called it.
+  records[2] = record(
+      2, t, {{"world/split0/color0", 2, 3, {0, 1, 2}, plus(done(22), {{22, "all_reduce_shared", "failed", 0, 0}})}});
+  EXPECT_TRUE(root_cause(records, {}, -1, false).starts_with("ranks 0 and 1 never called all_reduce_shared #22"));
+}
+
 TEST(RootCause, UnreadableRecordsSayNothingRatherThanCrash) {
   const std::vector<FlightRecord> records = {{"/f/rank-0.json", "{\"rank\":\"0\",\"groups\":[{\"group\":"},
                                              {"/f/rank-1.json", "[]"},

@@ -177,6 +177,16 @@ std::string where(const Divergence& d, const std::string& op) {
   return fmt::format("{} #{} on group '{}'", op, d.seq, d.group->name);
 }
 
+// The rank whose heartbeat found it cannot reach the store, or -1.
+int lost_network_rank(const std::map<int, RecordView>& views) {
+  static const std::regex lost("rank (\\d+) cannot reach the rendezvous store");
+  for (const auto& [rank, view] : views) {
+    std::smatch m;
+    if (std::regex_search(view.reason, m, lost)) return std::stoi(m[1].str());
+  }
+  return -1;
+}
+
 // What else is known of a rank that did not arrive: how it ended, what the heartbeats found,
 // where it went instead, what it last did.
 std::string missing_context(int rank, const Divergence& d, const std::vector<Divergence>& all,
@@ -184,13 +194,7 @@ std::string missing_context(int rank, const Divergence& d, const std::vector<Div
                             bool stalled) {
   std::vector<std::string> parts;
   if (rank == silent) parts.push_back(stalled ? "it made no progress: hung" : "it sent no heartbeats: stopped or hung");
-  if (auto v = views.find(rank); v != views.end()) {
-    static const std::regex lost("rank (\\d+) cannot reach the rendezvous store");
-    std::smatch m;
-    if (std::regex_search(v->second.reason, m, lost) && std::stoi(m[1].str()) == rank) {
-      parts.push_back("it lost its network: it cannot reach the rendezvous store");
-    }
-  }
+  if (lost_network_rank(views) == rank) parts.push_back("it lost its network: it cannot reach the rendezvous store");
   if (const Divergence* other = waiting_elsewhere(rank, d, all)) {
     parts.push_back(fmt::format("it went on to {}", where(*other, op_name(majority_op(*other)))));
   }
@@ -248,13 +252,9 @@ std::string mismatched(const Divergence& d) {
 // Every rank arrived and the call failed everywhere: the rank whose heartbeat or error started it.
 std::string failed_together(const Divergence& d, const std::map<int, RecordView>& views, int silent, bool stalled) {
   const std::string op = op_name(majority_op(d));
-  static const std::regex lost("rank (\\d+) cannot reach the rendezvous store");
-  for (const auto& [rank, view] : views) {
-    std::smatch m;
-    if (std::regex_search(view.reason, m, lost)) {
-      return fmt::format("rank {} lost its network (it cannot reach the rendezvous store) while every rank was in {}",
-                         m[1].str(), where(d, op));
-    }
+  if (const int lost = lost_network_rank(views); lost >= 0) {
+    return fmt::format("rank {} lost its network (it cannot reach the rendezvous store) while every rank was in {}",
+                       lost, where(d, op));
   }
   if (silent >= 0) {
     return fmt::format("rank {} {} while every rank was in {}", silent,
@@ -295,6 +295,17 @@ std::string root_cause(const std::vector<FlightRecord>& records, const std::map<
   for (const Divergence& d : all) {
     if (d.missing.empty() && d.ops.size() < 2) continue;
     if (root == nullptr || d.start_ms < root->start_ms) root = &d;
+  }
+  if (root != nullptr && root->ops.size() < 2) {
+    // A rank that lost its network fails where it stands, possibly one call ahead of the others
+    // (an intra-host call needs no socket): the others did not skip that call, the network went.
+    if (const int lost = lost_network_rank(views);
+        lost >= 0 && std::find(root->missing.begin(), root->missing.end(), lost) == root->missing.end()) {
+      return fmt::format(
+          "rank {} lost its network (it cannot reach the rendezvous store) while in {}, which {} had "
+          "not reached yet",
+          lost, where(*root, op_name(majority_op(*root))), ranks_text(root->missing));
+    }
   }
   if (root != nullptr) {
     return root->ops.size() > 1 ? mismatched(*root) : never_called(*root, all, fates, views, silent, stalled);
