@@ -75,12 +75,6 @@ struct Setup {
   const char* secret_source = "";  // where it came from, for the errors that name it
 };
 
-std::string host_name() {
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
 Setup resolve(GroupOptions options, const Environment& env) {
   if (options.algorithm == Algorithm::automatic && env.algo) options.algorithm = parse_algorithm(*env.algo);
   if (options.transport == TransportKind::automatic && set_and_not_empty(env.transport)) {
@@ -308,49 +302,57 @@ LauncherVars launcher_vars() {
   return v;
 }
 
-Group Group::from_mpi(GroupOptions options) {
-  const Environment env = Environment::read();
+std::string host_name() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+MpiStore mpi_store(const std::string& host, Duration timeout) {
   const MpiWorld world = mpi_world();
-  // The store (splits, heartbeats, checks) is served by rank 0; its address and a fresh secret
-  // reach the others through MPI itself.
-  std::shared_ptr<TcpStoreServer> server;
+  MpiStore out;
   std::string contact;
   if (world.rank == 0) {
-    std::string host = env.master_addr.value_or("");
+    std::string announce = host;
     std::string bind = host;
-    if (host.empty()) {
-      if (world.one_host) {
-        host = bind = "127.0.0.1";
-      } else {
-        host = host_name();
-        bind = "0.0.0.0";
-      }
+    if (announce.empty()) {
+      announce = world.one_host ? "127.0.0.1" : host_name();
+      bind = world.one_host ? "127.0.0.1" : "0.0.0.0";
     }
     const std::string secret = make_secret();
     try {
-      server = std::make_shared<TcpStoreServer>(bind, 0, secret);
-      contact = fmt::format("{}\n{}\n{}", host, server->port(), secret);
+      out.server = std::make_shared<TcpStoreServer>(bind, 0, secret);
+      contact = fmt::format("{}\n{}\n{}", announce, out.server->port(), secret);
     } catch (const std::exception& e) {
       contact = fmt::format("!{}", e.what());  // the others raise it too instead of waiting
     }
   }
   contact = mpi_broadcast_from_root(contact);
-  DT_CHECK(contact.empty() || contact[0] != '!', "comm", "from_mpi: rank 0 could not serve the store: {}",
+  DT_CHECK(contact.empty() || contact[0] != '!', "comm", "mpirun: rank 0 could not serve the store: {}",
            contact.substr(1));
   const size_t a = contact.find('\n'), b = contact.rfind('\n');
-  DT_CHECK(a != std::string::npos && b != a, "comm", "from_mpi: malformed store contact from rank 0");
-  const std::string host = contact.substr(0, a);
-  const auto port = static_cast<uint16_t>(std::stoi(contact.substr(a + 1, b - a - 1)));
-  const std::string secret = contact.substr(b + 1);
-  auto store = connect_tcp_store(host, port, secret, options.timeout);
+  DT_CHECK(a != std::string::npos && b != a, "comm", "mpirun: malformed store contact from rank 0");
+  out.host = contact.substr(0, a);
+  out.port = static_cast<uint16_t>(std::stoi(contact.substr(a + 1, b - a - 1)));
+  out.secret = contact.substr(b + 1);
+  out.store = connect_tcp_store(out.host, out.port, out.secret, timeout);
+  return out;
+}
+
+Group Group::from_mpi(GroupOptions options) {
+  const Environment env = Environment::read();
+  const MpiWorld world = mpi_world();
+  // The store (splits, heartbeats, checks) is served by rank 0; its address and a fresh secret
+  // reach the others through MPI itself (MASTER_ADDR, when set, is the address rank 0 announces).
+  MpiStore met = mpi_store(env.master_addr.value_or(""), options.timeout);
   if (options.heartbeat_timeout > Duration::zero() && !options.heartbeat_store) {
     options.heartbeat_store =
-        connect_tcp_store(host, port, secret, std::max(options.heartbeat_timeout, Duration(1000)));
+        connect_tcp_store(met.host, met.port, met.secret, std::max(options.heartbeat_timeout, Duration(1000)));
   }
   options.transport = TransportKind::mpi;
-  options.secret = secret;
-  Group g = create_group(store, world.rank, world.size, options, "world", env);
-  g.impl_->keep_alive = server;
+  options.secret = met.secret;
+  Group g = create_group(met.store, world.rank, world.size, options, "world", env);
+  g.impl_->keep_alive = met.server;
   return g;
 }
 

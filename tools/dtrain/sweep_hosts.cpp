@@ -45,12 +45,6 @@ bool launcher_variable(const std::string& name) {
   return name.starts_with("OMPI_") || name.starts_with("PMIX_") || name.starts_with("PMI_");
 }
 
-std::string host_name() {
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
 int env_number(const char* name) {
   const char* v = std::getenv(name);
   char* end = nullptr;
@@ -186,7 +180,7 @@ std::optional<SweepWorld> sweep_world(milliseconds timeout) {
   w.size = env_number(vars.size);
   if (w.size <= 1) return std::nullopt;
   DT_CHECK(w.rank < w.size, "sweep", "{}={} is not below {}={}", vars.rank, w.rank, vars.size, w.size);
-  w.host = host_name();
+  w.host = comm::host_name();
   const char* addr = std::getenv("MASTER_ADDR");
   if (addr != nullptr && *addr != '\0') {
     const char* secret = std::getenv("DTRAIN_SECRET");
@@ -211,26 +205,9 @@ std::optional<SweepWorld> sweep_world(milliseconds timeout) {
   const comm::MpiWorld mpi = comm::mpi_world();
   DT_CHECK(mpi.rank == w.rank && mpi.size == w.size, "sweep", "MPI's world (rank {} of {}) is not {}={} of {}={}",
            mpi.rank, mpi.size, vars.rank, w.rank, vars.size, w.size);
-  std::shared_ptr<comm::TcpStoreServer> server;
-  std::string contact;
-  if (w.rank == 0) {
-    const std::string host = mpi.one_host ? "127.0.0.1" : w.host;
-    const std::string secret = comm::make_secret();
-    try {
-      server = std::make_shared<comm::TcpStoreServer>(mpi.one_host ? "127.0.0.1" : "0.0.0.0", 0, secret);
-      contact = fmt::format("{}\n{}\n{}", host, server->port(), secret);
-    } catch (const std::exception& e) {
-      contact = fmt::format("!{}", e.what());  // the others raise it too instead of waiting
-    }
-  }
-  contact = comm::mpi_broadcast_from_root(contact);
-  DT_CHECK(contact.empty() || contact[0] != '!', "sweep", "rank 0 could not serve the sweep's store: {}",
-           contact.substr(1));
-  const size_t a = contact.find('\n'), b = contact.rfind('\n');
-  DT_CHECK(a != std::string::npos && b != a, "sweep", "a malformed store contact from rank 0");
-  w.server = server;
-  w.store = comm::connect_tcp_store(contact.substr(0, a), static_cast<uint16_t>(std::stoi(contact.substr(a + 1))),
-                                    contact.substr(b + 1), timeout);
+  comm::MpiStore met = comm::mpi_store("", timeout);
+  w.server = met.server;
+  w.store = met.store;
   return w;
 }
 

@@ -103,6 +103,27 @@ struct LauncherVars {
 };
 LauncherVars launcher_vars();
 
+/// This machine's host name (gethostname).
+std::string host_name();
+
+class Store;
+class TcpStoreServer;
+
+/// A TCP store for every rank of an mpirun job, met through MPI itself (collective over
+/// MPI_COMM_WORLD): rank 0 serves it with a fresh secret, announcing `host` (empty: 127.0.0.1
+/// when every rank shares its host, else its host name, listening on every interface), and the
+/// others learn the address, port and secret from rank 0 by broadcast. When rank 0 cannot serve,
+/// every rank raises its error instead of waiting. `server` is set on rank 0 only: keep it alive
+/// while the store is in use.
+struct MpiStore {
+  std::shared_ptr<Store> store;
+  std::shared_ptr<TcpStoreServer> server;
+  std::string host;
+  uint16_t port = 0;
+  std::string secret;
+};
+MpiStore mpi_store(const std::string& host, Duration timeout);
+
 class Work {
  public:
   Work() = default;
