@@ -1,8 +1,10 @@
 // dtrain: the command-line tool. Subcommands: train, diff, launch, bench, plan, sweep, status, report.
 #include <fmt/format.h>
+#include <malloc.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "bench_gemm.h"
@@ -15,11 +17,29 @@
 #include "status_command.h"
 #include "sweep_command.h"
 
+namespace {
+
+// A training step frees and allocates the same tensors again every step. glibc serves a block
+// above its mmap threshold (128 KiB, rising to 32 MiB at most) with fresh pages from the kernel
+// and returns them at free, so each step faults in and zeroes its large activations again:
+// measured on the GPT (4 x 128, batch 16 x 128), 8267 tokens/s with glibc's defaults and 11111
+// with blocks kept in the heap, gelu's 16 MiB output costing 3x its arithmetic. Keep blocks up to
+// 1 GiB in the heap and trim it only past 2 GiB free; MALLOC_MMAP_THRESHOLD_ and
+// MALLOC_TRIM_THRESHOLD_ in the environment still decide when set. Only this program: the
+// library never changes the allocator of a process that links it.
+void keep_freed_blocks() {
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) ::mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  if (std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr) ::mallopt(M_TRIM_THRESHOLD, INT32_MAX);
+}
+
+}  // namespace
+
 // Only CLI11's ConstructionError can escape, while the options are declared: a programming error
 // (e.g. a duplicate flag) that every run of dtrain would hit. Parse errors and every error of a
 // run are caught below.
 // NOLINTNEXTLINE(bugprone-exception-escape)
 int main(int argc, char** argv) {
+  keep_freed_blocks();
   CLI::App app{"dtrain: train neural networks across processes and machines"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "dtrain 0.1.0");
