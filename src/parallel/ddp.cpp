@@ -27,7 +27,22 @@ std::shared_ptr<void> tensor_storage(size_t bytes) {
   return std::shared_ptr<void>(t.impl_ptr(), t.raw_data());
 }
 
+// What a ZeRO-3 parameter points at between uses: nothing (a read would fault, not see stale
+// values).
+const std::shared_ptr<const void>& released_owner() {
+  static const std::shared_ptr<const void> owner = std::make_shared<int>(0);
+  return owner;
+}
+
 }  // namespace
+
+std::vector<size_t> block_units(const nn::Sequential& model) {
+  std::vector<size_t> units;
+  for (size_t i = 0; i < model.num_blocks(); ++i) units.insert(units.end(), model.block(i)->parameters().size(), i);
+  DT_CHECK(units.size() == model.parameters().size(), "ddp",
+           "block_units: the model's blocks hold {} of its {} parameters", units.size(), model.parameters().size());
+  return units;
+}
 
 struct DataParallel::Impl {
   std::vector<nn::NamedTensor> params;
@@ -36,21 +51,140 @@ struct DataParallel::Impl {
   std::vector<Tensor> pieces;  // ZeRO: per bucket, this rank's piece of the values (the optimizer's)
   bool sync = true;
 
+  // ZeRO 3: a block's parameters, gathered while someone uses them. `users` counts the forwards
+  // and backwards running it; a gather started ahead (prefetch) has no user yet.
+  struct Unit {
+    std::vector<size_t> buckets, params;
+    int users = 0;
+    bool gathered = false;
+    std::vector<comm::Work> works;  // the gather in flight
+    size_t ready = 0;               // parameters whose gradient is final in this backward
+  };
+  std::vector<Unit> units;
+  std::vector<size_t> unit_of;  // parameter -> unit
+  int64_t gathered_bytes = 0, gathered_peak = 0;
+
   comm::Group& group() const { return reducer->group(); }
 
   void on_grad_ready(size_t index, Tensor& param) {
-    if (!sync || options.deterministic) return;
-    const Tensor g = param.grad();
-    const bool usable = g.defined() && g.is_contiguous() && g.dtype() == DType::f32;
-    reducer->mark_ready(index, usable ? g.data() : nullptr);
+    if (sync && !options.deterministic) {
+      const Tensor g = param.grad();
+      const bool usable = g.defined() && g.is_contiguous() && g.dtype() == DType::f32;
+      reducer->mark_ready(index, usable ? g.data() : nullptr);
+    }
+    // Every use of the block's parameters in this backward is done once all their gradients are.
+    if (!units.empty()) {
+      Unit& u = units[unit_of[index]];
+      if (++u.ready == u.params.size()) {
+        u.ready = 0;
+        release(u, false);
+      }
+    }
+  }
+
+  void start_gather(Unit& u) {
+    for (size_t b : u.buckets) {
+      u.works.push_back(reducer->gather_values(b));
+      gathered_bytes += static_cast<int64_t>(reducer->bucket_padded(b) * sizeof(float));
+    }
+    gathered_peak = std::max(gathered_peak, gathered_bytes);
+    for (size_t k : u.params) {
+      const BufferView v = reducer->values(k);
+      params[k].second.rebind(v.data, v.owner);
+    }
+    u.gathered = true;
+  }
+  void finish_gather(Unit& u) {
+    for (comm::Work& w : u.works) w.wait();
+    u.works.clear();
+  }
+  void prefetch(size_t i) {
+    if (i < units.size() && !units[i].gathered) start_gather(units[i]);
+  }
+  void acquire(size_t i) {
+    if (i >= units.size()) return;
+    Unit& u = units[i];
+    if (!u.gathered) start_gather(u);
+    finish_gather(u);
+    ++u.users;
+  }
+  // One user less; with none left, the whole values go (unless `keep`: the backward that comes
+  // next uses them again).
+  void release(Unit& u, bool keep) {
+    if (u.users > 0) --u.users;
+    if (u.users > 0 || !u.gathered || keep) return;
+    finish_gather(u);  // the all_gather writes into the buffers until it completes
+    for (size_t k : u.params) params[k].second.rebind(nullptr, released_owner());
+    for (size_t b : u.buckets) {
+      reducer->release_values(b);
+      gathered_bytes -= static_cast<int64_t>(reducer->bucket_padded(b) * sizeof(float));
+    }
+    u.gathered = false;
+  }
+  void release_all() {
+    for (Unit& u : units) {
+      u.users = 0;
+      u.ready = 0;
+      release(u, false);
+    }
   }
 };
+
+namespace {
+
+// ZeRO 3: block i's backward starts here (its output's gradient is complete): gather block i
+// again and start block i - 1's gather.
+struct GatherForBackward : Node {
+  std::weak_ptr<DataParallel::Impl> ddp;
+  size_t block = 0, begin = 0;
+  std::vector<Tensor> apply(const Tensor& g) override {
+    if (auto d = ddp.lock()) {
+      d->acquire(block);
+      if (block > begin) d->prefetch(block - 1);
+    }
+    return {g};
+  }
+  const char* name() const override { return "zero3_gather"; }
+};
+
+class ZeroThreeHooks : public nn::BlockHooks {
+ public:
+  explicit ZeroThreeHooks(std::weak_ptr<DataParallel::Impl> ddp) : ddp_(std::move(ddp)) {}
+  void before_block(size_t i, size_t /*begin*/, size_t end) override {
+    auto d = ddp_.lock();
+    if (!d) return;
+    d->acquire(i);
+    if (i + 1 < end) d->prefetch(i + 1);
+  }
+  Tensor after_block(size_t i, size_t begin, size_t end, const Tensor& output) override {
+    auto d = ddp_.lock();
+    if (!d || i >= d->units.size()) return output;
+    const bool backward = autograd::needs_grad({&output});
+    // The last block's backward comes right after its forward: keep it.
+    d->release(d->units[i], backward && i + 1 == end);
+    if (!backward) return output;
+    Tensor out = output.detach();
+    auto node = std::make_shared<GatherForBackward>();
+    node->ddp = ddp_;
+    node->block = i;
+    node->begin = begin;
+    autograd::attach(out, node, {&output});
+    return out;
+  }
+
+ private:
+  std::weak_ptr<DataParallel::Impl> ddp_;
+};
+
+}  // namespace
 
 DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group group, DdpOptions options)
     : impl_(std::make_shared<Impl>()) {
   Impl& d = *impl_;
   DT_CHECK(group.size() >= 1, "ddp", "DataParallel needs a group");
-  DT_CHECK(options.zero >= 0 && options.zero <= 2, "ddp", "zero stage {} is not 0, 1 or 2", options.zero);
+  DT_CHECK(options.zero >= 0 && options.zero <= 3, "ddp", "zero stage {} is not 0, 1, 2 or 3", options.zero);
+  DT_CHECK(options.units.empty() || options.units.size() == params.size(), "ddp", "{} units for {} parameters",
+           options.units.size(), params.size());
   DT_CHECK(options.bucket_bytes >= sizeof(float), "ddp", "bucket size {} bytes is too small", options.bucket_bytes);
   d.params = std::move(params);
   d.options = options;
@@ -62,8 +196,10 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   DT_CHECK(compression.powersgd_rank == 0 || options.zero == 0, "ddp",
            "--compress {} needs --zero 0 (it exchanges whole low-rank gradients)", options.compress);
   std::vector<ReducerParam> views;
-  for (auto& [name, t] : d.params) {
+  for (size_t k = 0; k < d.params.size(); ++k) {
+    auto& [name, t] = d.params[k];
     ReducerParam p{name, {t.data(), static_cast<size_t>(t.numel()), DataType::f32, nullptr}};
+    if (!options.units.empty()) p.unit = options.units[k];
     if (t.dim() == 2) {
       p.rows = t.size(0);
       p.cols = t.size(1);
@@ -83,13 +219,31 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   o.exact_micro_batches = options.micro_batches;
   d.reducer = std::make_unique<Reducer>(std::move(views), std::move(group), std::move(o));
   const Reducer& reducer = *d.reducer;
-  if (options.zero > 0) {
+  if (options.zero == 3) {
+    // The parameters keep their own memory until broadcast_parameters() (which takes this
+    // rank's pieces from rank 0's values) or the first gather.
+    size_t n = 0;
+    for (size_t b = 0; b < reducer.num_buckets(); ++b) {
+      const auto& ps = reducer.bucket_params(b);
+      const size_t unit = options.units.empty() ? 0 : options.units[ps.front()];
+      n = std::max(n, unit + 1);
+      if (d.units.size() < n) d.units.resize(n);
+      d.units[unit].buckets.push_back(b);
+      d.units[unit].params.insert(d.units[unit].params.end(), ps.begin(), ps.end());
+    }
+    d.unit_of.assign(d.params.size(), 0);
+    if (!options.units.empty()) d.unit_of = options.units;
+    if (d.units.empty()) d.units.resize(1);
+  }
+  if (options.zero > 0 && options.zero < 3) {
     // The parameters move into the buckets' values (which hold their values now); their
     // tensors keep working.
     for (size_t k = 0; k < d.params.size(); ++k) {
       const BufferView v = reducer.values(k);
       d.params[k].second.rebind(v.data, v.owner);
     }
+  }
+  if (options.zero > 0) {
     for (size_t b = 0; b < reducer.num_buckets(); ++b) {
       Tensor piece = view_of(reducer.piece(b), {static_cast<int64_t>(reducer.piece_count(b))});
       piece.set_requires_grad(true);
@@ -131,6 +285,26 @@ void DataParallel::broadcast_parameters() {
   // Shared values: every rank's tensors are rank 0's values already.
   replicate_from_rank0(d.group(), tensors, !d.reducer->shares_values(),
                        " (same --model, --hidden, --layers, --width ...)");
+  if (d.options.zero == 3) {
+    // The parameters still hold their whole values (rank 0's now): keep this rank's pieces of
+    // them, and let the rest go.
+    const Reducer& reducer = *d.reducer;
+    const size_t rank = static_cast<size_t>(d.group().rank());
+    for (size_t b = 0; b < reducer.num_buckets(); ++b) {
+      const size_t piece = reducer.piece_count(b), lo = rank * piece, hi = lo + piece;
+      float* dst = d.pieces[b].data();
+      const auto& ps = reducer.bucket_params(b);
+      const auto& offsets = reducer.bucket_offsets(b);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const Tensor& t = d.params[ps[i]].second;
+        const size_t begin = std::max(lo, offsets[i]), end = std::min(hi, offsets[i] + static_cast<size_t>(t.numel()));
+        if (begin < end)
+          std::memcpy(dst + (begin - lo), t.data() + (begin - offsets[i]), (end - begin) * sizeof(float));
+      }
+    }
+    for (auto& [name, t] : d.params) t.rebind(nullptr, released_owner());
+    d.release_all();
+  }
 }
 
 void DataParallel::set_sync(bool on) { impl_->sync = on; }
@@ -221,7 +395,17 @@ std::vector<Tensor> DataParallel::optimizer_params() const {
 void DataParallel::gather_parameters() {
   if (impl_->options.zero == 0) return;
   impl_->reducer->gather();
+  impl_->release_all();
 }
+
+std::shared_ptr<nn::BlockHooks> DataParallel::block_hooks() const {
+  if (impl_->options.zero != 3) return nullptr;
+  return std::make_shared<ZeroThreeHooks>(impl_);
+}
+
+bool DataParallel::shards_parameters() const { return impl_->options.zero == 3; }
+
+int64_t DataParallel::gathered_peak_bytes() const { return impl_->gathered_peak; }
 
 std::vector<Tensor> DataParallel::gather_pieces(const std::vector<Tensor>& pieces) const {
   const Impl& d = *impl_;
@@ -291,9 +475,11 @@ MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
   MemoryReport m;
   for (const auto& [name, t] : d.params) m.param_bytes += t.numel() * 4;
   if (reducer.shares_values()) m.param_bytes /= d.group().size();
+  if (d.options.zero == 3) m.param_bytes = 0;  // the pieces, below
   for (size_t b = 0; b < reducer.num_buckets(); ++b) {
     const auto piece_bytes = static_cast<int64_t>(reducer.piece_count(b) * sizeof(float));
-    if (d.options.zero == 2) {
+    if (d.options.zero == 3) m.param_bytes += piece_bytes;
+    if (d.options.zero >= 2) {
       m.grad_bytes += piece_bytes;
     } else {
       m.grad_bytes += static_cast<int64_t>(reducer.bucket_padded(b) * sizeof(float));
