@@ -59,7 +59,10 @@ struct DataParallel::Impl {
     bool gathered = false;
     std::vector<comm::Work> works;  // the gather in flight
     size_t ready = 0;               // parameters whose gradient is final in this backward
+    size_t index = 0, bytes = 0;
+    comm::Clock::time_point started;
   };
+  std::vector<BucketEvent> gather_events;
   std::vector<Unit> units;
   std::vector<size_t> unit_of;  // parameter -> unit
   int64_t gathered_bytes = 0, gathered_peak = 0;
@@ -83,6 +86,7 @@ struct DataParallel::Impl {
   }
 
   void start_gather(Unit& u) {
+    u.started = comm::Clock::now();
     for (size_t b : u.buckets) {
       u.works.push_back(reducer->gather_values(b));
       gathered_bytes += static_cast<int64_t>(reducer->bucket_padded(b) * sizeof(float));
@@ -95,8 +99,14 @@ struct DataParallel::Impl {
     u.gathered = true;
   }
   void finish_gather(Unit& u) {
-    for (comm::Work& w : u.works) w.wait();
+    if (u.works.empty()) return;
+    comm::Clock::time_point end = u.started;
+    for (comm::Work& w : u.works) {
+      w.wait();
+      end = std::max(end, w.finish_time());
+    }
     u.works.clear();
+    if (options.record_events) gather_events.push_back({static_cast<int>(u.index), u.bytes, u.started, end});
   }
   void prefetch(size_t i) {
     if (i < units.size() && !units[i].gathered) start_gather(units[i]);
@@ -234,6 +244,10 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
     d.unit_of.assign(d.params.size(), 0);
     if (!options.units.empty()) d.unit_of = options.units;
     if (d.units.empty()) d.units.resize(1);
+    for (size_t u = 0; u < d.units.size(); ++u) {
+      d.units[u].index = u;
+      for (size_t b : d.units[u].buckets) d.units[u].bytes += reducer.bucket_padded(b) * sizeof(float);
+    }
   }
   if (options.zero > 0 && options.zero < 3) {
     // The parameters move into the buckets' values (which hold their values now); their
@@ -507,5 +521,11 @@ void DataParallel::load_compression_state(const std::vector<nn::NamedTensor>& st
 CommVolume DataParallel::take_comm_volume() { return impl_->reducer->take_volume(); }
 
 std::vector<BucketEvent> DataParallel::take_bucket_events() { return impl_->reducer->take_events(); }
+
+std::vector<BucketEvent> DataParallel::take_gather_events() {
+  std::vector<BucketEvent> out;
+  out.swap(impl_->gather_events);
+  return out;
+}
 
 }  // namespace dtrain::parallel

@@ -831,6 +831,10 @@ void Trainer::synchronize(int64_t step) {
     trace_->span("bucket", ev.bucket, 1, ev.start, ev.end, step + 1, static_cast<int64_t>(ev.bytes));
     comm_time_ += seconds_since(ev.start, ev.end);
   }
+  // ZeRO 3: each block's all-gather, from its start (the prefetch) to its completion.
+  for (const auto& ev : ddp_->take_gather_events()) {
+    trace_->span("gather", ev.bucket, 1, ev.start, ev.end, step + 1, static_cast<int64_t>(ev.bytes));
+  }
   const parallel::CommVolume v = ddp_->take_comm_volume();
   wire_bytes_ += v.wire_bytes;
   raw_bytes_ += v.raw_bytes;

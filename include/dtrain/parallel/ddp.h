@@ -197,6 +197,9 @@ class DataParallel {
   MemoryReport memory(const optim::Optimizer& optimizer) const;
   /// Bucket communications since the last call (completed ones only).
   std::vector<BucketEvent> take_bucket_events();
+  /// ZeRO 3, record_events: the all-gathers of whole blocks since the last call, from their start
+  /// to their completion (`bucket` is the block), for traces that show them beside compute.
+  std::vector<BucketEvent> take_gather_events();
   /// Gradient bytes sent since the last call (see CommVolume).
   CommVolume take_comm_volume();
   /// The compression state of this rank (copies): error-feedback residuals per bucket
