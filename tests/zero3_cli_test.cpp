@@ -20,12 +20,14 @@ class Zero3 : public CliTest {
 };
 
 // AdamW: two and four replicas equal one process accumulating the same micro-batches bit for bit
-// (the sums run in rank order, 1/N is exact); SGD: ZeRO 3 on 2, 3 and 4 replicas, with
+// (the sums run in rank order, 1/N is exact), also with --offload and --clip-grad; SGD: ZeRO 3 on 2, 3 and 4 replicas,
+// with
 // --accumulate, --pp 2 and --tp 2, equals one process on the whole batch within 1e-5 (the order of
 // float sums differs).
 TEST_F(Zero3, EqualsOneProcessOnEveryLayout) {
-  const std::string mlp = "train --model mlp --hidden 64,32 --batch-size 48 --steps 10 --optimizer adamw --lr 0.01"
-                          " --progress=false --bucket-mb 0.01";
+  const std::string mlp =
+      "train --model mlp --hidden 64,32 --batch-size 48 --steps 10 --optimizer adamw --lr 0.01"
+      " --progress=false --bucket-mb 0.01";
   for (int n : {2, 4}) {
     const std::string tag = std::to_string(n);
     ProcessResult acc = dtrain(mlp + " --accumulate " + tag + " --metrics " + path("acc" + tag + ".jsonl"));
@@ -34,17 +36,31 @@ TEST_F(Zero3, EqualsOneProcessOnEveryLayout) {
     ASSERT_EQ(z.code, 0) << z.output;
     EXPECT_EQ(digest("z" + tag + ".jsonl"), digest("acc" + tag + ".jsonl")) << "dp " << n;
   }
+  // With the state offloaded to disk, and with gradient clipping (the norm over the pieces): the
+  // same bits too.
+  ProcessResult off =
+      dtrain(mlp + " --dp 2 --zero 3 --offload " + path("off") + " --metrics " + path("off.jsonl"), 300);
+  ASSERT_EQ(off.code, 0) << off.output;
+  EXPECT_EQ(digest("off.jsonl"), digest("acc2.jsonl"));
+  ProcessResult clip1 = dtrain(mlp + " --accumulate 2 --clip-grad 0.05 --metrics " + path("clip1.jsonl"));
+  ASSERT_EQ(clip1.code, 0) << clip1.output;
+  ProcessResult clip = dtrain(mlp + " --dp 2 --zero 3 --clip-grad 0.05 --metrics " + path("clip.jsonl"), 300);
+  ASSERT_EQ(clip.code, 0) << clip.output;
+  EXPECT_EQ(digest("clip.jsonl"), digest("clip1.jsonl"));
+  EXPECT_NE(digest("clip.jsonl"), digest("acc2.jsonl")) << "--clip-grad 0.05 did not change the run";
   const std::string gpt = "train --model gpt --data text:" + corpus() +
                           " --layers 2 --heads 4 --width 32 --seq-len 16 --batch-size 24 --steps 6 --optimizer sgd"
                           " --lr 0.05 --progress=false";
   ProcessResult one = dtrain(gpt + " --save " + path("one.dtm"));
   ASSERT_EQ(one.code, 0) << one.output;
+  // The default --bucket-mb gathers this small model as one unit; 0.05 gathers each block alone
+  // (the embedding and a transformer block are 35 and 50 KB), the next one prefetched.
   const std::vector<std::string> layouts = {"--dp 2 --zero 3",
-                                            "--dp 3 --zero 3",
-                                            "--dp 4 --zero 3",
-                                            "--dp 2 --zero 3 --accumulate 2",
-                                            "--dp 2 --zero 3 --pp 2 --micro-batches 2",
-                                            "--dp 2 --zero 3 --tp 2"};
+                                            "--dp 3 --zero 3 --bucket-mb 0.05",
+                                            "--dp 4 --zero 3 --bucket-mb 0.05",
+                                            "--dp 2 --zero 3 --accumulate 2 --bucket-mb 0.05",
+                                            "--dp 2 --zero 3 --pp 2 --micro-batches 2 --bucket-mb 0.05",
+                                            "--dp 2 --zero 3 --tp 2 --bucket-mb 0.05"};
   for (size_t i = 0; i < layouts.size(); ++i) {
     const std::string name = "l" + std::to_string(i);
     ProcessResult r = dtrain(gpt + " " + layouts[i] + " --save " + path(name + ".dtm"), 300);
@@ -86,7 +102,7 @@ TEST_F(Zero3, CheckpointsMoveBetweenZeroThreeAndOtherLayouts) {
 TEST_F(Zero3, HoldsOneNthOfTheStateAndTrainsWhatZeroTwoCannot) {
   const std::string gpt = "train --model gpt --data text:" + corpus() +
                           " --layers 4 --heads 4 --width 64 --seq-len 16 --batch-size 8 --steps 2 --optimizer adamw"
-                          " --progress=false";
+                          " --progress=false --bucket-mb 0.1";  // a block per unit (embedding 70 KB, blocks 200 KB)
   ProcessResult plain = dtrain(gpt + " --dp 2 --metrics " + path("plain.jsonl"), 300);
   ASSERT_EQ(plain.code, 0) << plain.output;
   const nlohmann::json p = final_record("plain.jsonl");

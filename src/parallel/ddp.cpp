@@ -64,7 +64,9 @@ struct DataParallel::Impl {
   };
   std::vector<BucketEvent> gather_events;
   std::vector<Unit> units;
-  std::vector<size_t> unit_of;  // parameter -> unit
+  std::vector<size_t> unit_of;                  // parameter -> unit
+  std::vector<size_t> block_unit;               // block -> unit
+  std::vector<size_t> first_block, last_block;  // unit -> its blocks
   int64_t gathered_bytes = 0, gathered_peak = 0;
 
   comm::Group& group() const { return reducer->group(); }
@@ -142,41 +144,50 @@ struct DataParallel::Impl {
 
 namespace {
 
-// ZeRO 3: block i's backward starts here (its output's gradient is complete): gather block i
-// again and start block i - 1's gather.
+// ZeRO 3: the backward of unit u's blocks starts here (the output of its last block has its whole
+// gradient): gather unit u again and start the gather of the unit before it.
 struct GatherForBackward : Node {
   std::weak_ptr<DataParallel::Impl> ddp;
-  size_t block = 0, begin = 0;
+  size_t unit = 0, begin = 0;
   std::vector<Tensor> apply(const Tensor& g) override {
     if (auto d = ddp.lock()) {
-      d->acquire(block);
-      if (block > begin) d->prefetch(block - 1);
+      // Both gathers in flight before waiting for the first.
+      d->prefetch(unit);
+      if (unit > 0 && d->last_block[unit - 1] >= begin) d->prefetch(unit - 1);
+      d->acquire(unit);
     }
     return {g};
   }
   const char* name() const override { return "zero3_gather"; }
 };
 
+// A unit is gathered before its first block in [begin, end) runs (and the next unit's gather
+// starts) and let go after its last one.
 class ZeroThreeHooks : public nn::BlockHooks {
  public:
   explicit ZeroThreeHooks(std::weak_ptr<DataParallel::Impl> ddp) : ddp_(std::move(ddp)) {}
-  void before_block(size_t i, size_t /*begin*/, size_t end) override {
+  void before_block(size_t i, size_t begin, size_t end) override {
     auto d = ddp_.lock();
-    if (!d) return;
-    d->acquire(i);
-    if (i + 1 < end) d->prefetch(i + 1);
+    if (!d || i >= d->block_unit.size()) return;
+    const size_t u = d->block_unit[i];
+    if (i != begin && d->first_block[u] != i) return;
+    d->prefetch(u);
+    if (u + 1 < d->units.size() && d->first_block[u + 1] < end) d->prefetch(u + 1);
+    d->acquire(u);
   }
   Tensor after_block(size_t i, size_t begin, size_t end, const Tensor& output) override {
     auto d = ddp_.lock();
-    if (!d || i >= d->units.size()) return output;
+    if (!d || i >= d->block_unit.size()) return output;
+    const size_t u = d->block_unit[i];
+    if (i + 1 != end && d->last_block[u] != i) return output;
     const bool backward = autograd::needs_grad({&output});
-    // The last block's backward comes right after its forward: keep it.
-    d->release(d->units[i], backward && i + 1 == end);
+    // The last unit's backward comes right after its forward: keep it.
+    d->release(d->units[u], backward && i + 1 == end);
     if (!backward) return output;
     Tensor out = output.detach();
     auto node = std::make_shared<GatherForBackward>();
     node->ddp = ddp_;
-    node->block = i;
+    node->unit = u;
     node->begin = begin;
     autograd::attach(out, node, {&output});
     return out;
@@ -205,11 +216,38 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   const Compression compression = parse_compression(options.compress);
   DT_CHECK(compression.powersgd_rank == 0 || options.zero == 0, "ddp",
            "--compress {} needs --zero 0 (it exchanges whole low-rank gradients)", options.compress);
+  if (options.zero == 3) {
+    // Units: runs of consecutive blocks of about bucket_bytes (a block larger than that alone),
+    // like FSDP's size-based wrapping: small blocks share a gather.
+    size_t blocks = 1;
+    for (size_t b : options.units) blocks = std::max(blocks, b + 1);
+    std::vector<size_t> bytes(blocks, 0);
+    for (size_t k = 0; k < d.params.size(); ++k) {
+      bytes[options.units.empty() ? 0 : options.units[k]] += static_cast<size_t>(d.params[k].second.numel()) * 4;
+    }
+    size_t unit = 0, filled = 0;
+    for (size_t b = 0; b < blocks; ++b) {
+      if (filled > 0 && filled + bytes[b] > options.bucket_bytes) {
+        ++unit;
+        filled = 0;
+      }
+      filled += bytes[b];
+      d.block_unit.push_back(unit);
+      if (d.first_block.size() == unit) d.first_block.push_back(b);
+      if (d.last_block.size() == unit) d.last_block.push_back(b);
+      d.last_block[unit] = b;
+    }
+    d.units.resize(unit + 1);
+    d.unit_of.assign(d.params.size(), 0);
+    for (size_t k = 0; k < d.params.size(); ++k) {
+      d.unit_of[k] = d.block_unit[options.units.empty() ? 0 : options.units[k]];
+    }
+  }
   std::vector<ReducerParam> views;
   for (size_t k = 0; k < d.params.size(); ++k) {
     auto& [name, t] = d.params[k];
     ReducerParam p{name, {t.data(), static_cast<size_t>(t.numel()), DataType::f32, nullptr}};
-    if (!options.units.empty()) p.unit = options.units[k];
+    if (options.zero == 3) p.unit = d.unit_of[k];
     if (t.dim() == 2) {
       p.rows = t.size(0);
       p.cols = t.size(1);
@@ -232,18 +270,12 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
   if (options.zero == 3) {
     // The parameters keep their own memory until broadcast_parameters() (which takes this
     // rank's pieces from rank 0's values) or the first gather.
-    size_t n = 0;
     for (size_t b = 0; b < reducer.num_buckets(); ++b) {
       const auto& ps = reducer.bucket_params(b);
-      const size_t unit = options.units.empty() ? 0 : options.units[ps.front()];
-      n = std::max(n, unit + 1);
-      if (d.units.size() < n) d.units.resize(n);
-      d.units[unit].buckets.push_back(b);
-      d.units[unit].params.insert(d.units[unit].params.end(), ps.begin(), ps.end());
+      Impl::Unit& u = d.units[d.unit_of[ps.front()]];
+      u.buckets.push_back(b);
+      u.params.insert(u.params.end(), ps.begin(), ps.end());
     }
-    d.unit_of.assign(d.params.size(), 0);
-    if (!options.units.empty()) d.unit_of = options.units;
-    if (d.units.empty()) d.units.resize(1);
     for (size_t u = 0; u < d.units.size(); ++u) {
       d.units[u].index = u;
       for (size_t b : d.units[u].buckets) d.units[u].bytes += reducer.bucket_padded(b) * sizeof(float);

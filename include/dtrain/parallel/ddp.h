@@ -39,15 +39,17 @@
 //
 // ZeRO 3 (options.zero = 3) also shards the parameters: between uses a rank keeps only its piece
 // of every bucket (the optimizer's piece, updated in place), and the parameters' tensors point at
-// nothing. Buckets are cut at block boundaries (options.units, from block_units()), and the
-// model calls block_hooks() around each block's forward (nn::Sequential::set_block_hooks):
-// before block i runs its buckets are all-gathered into fresh buffers that the parameters point
-// at (block i + 1's gather starts too, so it overlaps block i's compute), and after it they are
-// freed. Backward is the same in reverse: a node on block i's output gathers block i again just
-// before its backward (and starts block i - 1's), and once every parameter of block i has its
-// gradient its buffers are freed. Gradients are reduce-scattered per bucket as in ZeRO 2. So a
+// nothing. What is gathered together is a *unit*: a run of consecutive blocks (options.units
+// gives each parameter's block, from block_units()) of about bucket_bytes, or one block larger
+// than that (FSDP's size-based wrapping); buckets never span two units. The model calls
+// block_hooks() around each block's forward (nn::Sequential::set_block_hooks): before a unit's
+// first block runs its buckets are all-gathered into fresh buffers that the parameters point at
+// (the next unit's gather starts too, so it overlaps this unit's compute), and after its last
+// block they are freed. Backward is the same in reverse: a node on the unit's output gathers it
+// again just before its backward (and starts the previous unit's), and once every parameter of
+// the unit has its gradient its buffers are freed. Gradients are reduce-scattered per bucket as in ZeRO 2. So a
 // rank holds 1/world() of the parameters, gradients and optimizer state between steps, plus
-// about two blocks' parameters while a block runs. Reading every parameter at once (checkpoints,
+// about two units' parameters while a unit runs. Reading every parameter at once (checkpoints,
 // the final digest) goes through gather_pieces(optimizer_params()).
 //
 // Compression (options.compress) cuts the bytes on the wire:
@@ -96,7 +98,7 @@ struct DdpOptions {
   size_t bucket_bytes = size_t{25} << 20;
   int zero = 0;                   // 0: replicate everything; 1: shard optimizer state; 2: also gradients;
                                   // 3: also parameters (gathered per block around its use, see above)
-  std::vector<size_t> units;      // ZeRO 3: each parameter's block (block_units); empty: one unit
+  std::vector<size_t> units;      // ZeRO 3: each parameter's block (block_units); empty: one block
   bool overlap = true;            // false: start every bucket in synchronize() (for measuring overlap)
   bool record_events = false;     // keep BucketEvents for take_bucket_events() (traces)
   bool share_memory = true;       // ZeRO 0/1 on one host: gradients (ZeRO 1: and parameters) in shared memory
