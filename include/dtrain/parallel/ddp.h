@@ -40,8 +40,8 @@
 // ZeRO 3 (options.zero = 3) also shards the parameters: between uses a rank keeps only its piece
 // of every bucket (the optimizer's piece, updated in place), and the parameters' tensors point at
 // nothing. What is gathered together is a *unit*: a run of consecutive blocks (options.units
-// gives each parameter's block, from block_units()) of about bucket_bytes, or one block larger
-// than that (FSDP's size-based wrapping); buckets never span two units. The model calls
+// gives each parameter's block, from block_units()) of up to 1 MiB (bucket_bytes if smaller), or
+// one block larger than that (FSDP's size-based wrapping); buckets never span two units. The model calls
 // block_hooks() around each block's forward (nn::Sequential::set_block_hooks): before a unit's
 // first block runs its buckets are all-gathered into fresh buffers that the parameters point at
 // (the next unit's gather starts too, so it overlaps this unit's compute), and after its last
