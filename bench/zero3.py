@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """--zero 3 against --zero 1: throughput side by side, and the memory each holds per rank.
 
-    /usr/bin/python3 bench/zero3.py [--runs 3] [--steps 40] [--dp 2 4] [--model gpt|mlp]
+    /usr/bin/python3 bench/zero3.py [--runs 5] [--steps 60] [--dp 2 4] [--model gpt|mlp]
 
 For each data-parallel size, runs the same job with --zero 1 and --zero 3 alternately (A B A B
 ...), so the two share the machine's state; reports the median tokens/s (or samples/s) of each,
@@ -38,8 +38,8 @@ def job(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtrain", default=os.path.join(ROOT, "build/release/dtrain"))
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/zero3.json"))
