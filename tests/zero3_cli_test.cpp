@@ -48,6 +48,23 @@ TEST_F(Zero3, EqualsOneProcessOnEveryLayout) {
   ASSERT_EQ(clip.code, 0) << clip.output;
   EXPECT_EQ(digest("clip.jsonl"), digest("clip1.jsonl"));
   EXPECT_NE(digest("clip.jsonl"), digest("acc2.jsonl")) << "--clip-grad 0.05 did not change the run";
+  // AdamW with model parallelism: --tp 2 equals one process of --tp 2 accumulating the same
+  // micro-batches bit for bit; --pp 2 equals ZeRO 0 on the same layout bit for bit (a pipeline
+  // sums its micro-batches before the replicas, one process accumulating does not).
+  const std::string adam = "train --model gpt --data text:" + corpus() +
+                           " --layers 2 --heads 4 --width 32 --seq-len 16 --batch-size 24 --steps 6 --optimizer adamw"
+                           " --lr 0.01 --progress=false --bucket-mb 0.05";
+  const std::vector<std::pair<std::string, std::string>> same = {
+      {"--dp 2 --tp 2 --zero 3", "--tp 2 --accumulate 2"},
+      {"--dp 2 --pp 2 --micro-batches 2 --zero 3", "--dp 2 --pp 2 --micro-batches 2"}};
+  for (size_t i = 0; i < same.size(); ++i) {
+    const std::string a = "a" + std::to_string(i) + ".jsonl", b = "b" + std::to_string(i) + ".jsonl";
+    ProcessResult ra = dtrain(adam + " " + same[i].first + " --metrics " + path(a), 300);
+    ASSERT_EQ(ra.code, 0) << same[i].first << ": " << ra.output;
+    ProcessResult rb = dtrain(adam + " " + same[i].second + " --metrics " + path(b), 300);
+    ASSERT_EQ(rb.code, 0) << same[i].second << ": " << rb.output;
+    EXPECT_EQ(digest(a), digest(b)) << same[i].first << " against " << same[i].second;
+  }
   const std::string gpt = "train --model gpt --data text:" + corpus() +
                           " --layers 2 --heads 4 --width 32 --seq-len 16 --batch-size 24 --steps 6 --optimizer sgd"
                           " --lr 0.05 --progress=false";
