@@ -56,7 +56,10 @@ TEST_F(Zero3, EqualsOneProcessOnEveryLayout) {
                            " --lr 0.01 --progress=false --bucket-mb 0.05";
   const std::vector<std::pair<std::string, std::string>> same = {
       {"--dp 2 --tp 2 --zero 3", "--tp 2 --accumulate 2"},
-      {"--dp 2 --pp 2 --micro-batches 2 --zero 3", "--dp 2 --pp 2 --micro-batches 2"}};
+      {"--dp 2 --pp 2 --micro-batches 2 --zero 3", "--dp 2 --pp 2 --micro-batches 2"},
+      // Recomputed forwards gather again; dropout masks and bf16 products are untouched by ZeRO.
+      {"--dp 2 --pp 2 --micro-batches 2 --recompute true --dropout 0.1 --precision bf16 --zero 3",
+       "--dp 2 --pp 2 --micro-batches 2 --recompute true --dropout 0.1 --precision bf16"}};
   for (size_t i = 0; i < same.size(); ++i) {
     const std::string a = "a" + std::to_string(i) + ".jsonl", b = "b" + std::to_string(i) + ".jsonl";
     ProcessResult ra = dtrain(adam + " " + same[i].first + " --metrics " + path(a), 300);
