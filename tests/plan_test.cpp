@@ -168,6 +168,14 @@ TEST(PlanMemory, ZeroShardsOptimizerStateThenGradientsOverDataParallelRanks) {
   EXPECT_DOUBLE_EQ(z2.memory.optimizer, base.memory.optimizer / 4);
   EXPECT_DOUBLE_EQ(z2.memory.grads, base.memory.grads / 4);
   EXPECT_DOUBLE_EQ(z2.memory.activations, base.memory.activations);
+  // ZeRO 3: the parameters too, plus the two largest neighbouring blocks gathered while they run
+  // (here the 50304 x 2048 embedding, 8% of the model, and a 50M-parameter transformer block).
+  l.zero = 3;
+  const Prediction z3 = predict(m, device(1e15), l, 64);
+  EXPECT_DOUBLE_EQ(z3.memory.optimizer, base.memory.optimizer / 4);
+  EXPECT_DOUBLE_EQ(z3.memory.grads, base.memory.grads / 4);
+  EXPECT_GT(z3.memory.params, base.memory.params / 4);
+  EXPECT_LT(z3.memory.params, base.memory.params * (0.25 + 0.15));
   // 1f1b keeps at most p - s micro-batches in flight, gpipe all of them.
   Layout pipe;
   pipe.pp = 4;

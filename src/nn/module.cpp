@@ -72,7 +72,11 @@ Tensor Sequential::forward_range(const Tensor& x, size_t begin, size_t end) {
   DT_CHECK(begin <= end && end <= blocks_.size(), "nn", "forward_range [{}, {}) of {} blocks", begin, end,
            blocks_.size());
   Tensor h = x;
-  for (size_t i = begin; i < end; ++i) h = blocks_[i]->forward(h);
+  for (size_t i = begin; i < end; ++i) {
+    if (hooks_) hooks_->before_block(i, begin, end);
+    h = blocks_[i]->forward(h);
+    if (hooks_) h = hooks_->after_block(i, begin, end, h);
+  }
   return h;
 }
 

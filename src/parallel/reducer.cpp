@@ -68,6 +68,8 @@ namespace {
 std::unique_ptr<SyncStrategy> choose_sync(const SyncContext& context, const ReducerOptions& o,
                                           const std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) {
   const Compression& c = o.compression;
+  DT_CHECK(o.zero < 3 || (!o.exact && c.codec == comm::Codec::none && c.powersgd_rank == 0), "ddp",
+           "ZeRO 3 gathers parameters around each block's use; it has no --deterministic or --compress path yet");
   if (o.exact) {
     DT_CHECK(c.powersgd_rank == 0 && c.codec == comm::Codec::none, "ddp",
              "--deterministic needs exact gradients: lossy --compress cannot keep the guarantee");
@@ -136,7 +138,7 @@ Reducer::Reducer(std::vector<ReducerParam> params, comm::Group group, ReducerOpt
     : impl_(std::make_unique<Impl>()) {
   Impl& d = *impl_;
   DT_CHECK(group.size() >= 1, "ddp", "the gradient reducer needs a group");
-  DT_CHECK(options.zero >= 0 && options.zero <= 2, "ddp", "zero stage {} is not 0, 1 or 2", options.zero);
+  DT_CHECK(options.zero >= 0 && options.zero <= 3, "ddp", "zero stage {} is not 0, 1, 2 or 3", options.zero);
   DT_CHECK(options.bucket_bytes >= sizeof(float), "ddp", "bucket size {} bytes is too small", options.bucket_bytes);
   for (const ReducerParam& p : params) {
     DT_CHECK(p.values.dtype == DataType::f32 && (p.values.data != nullptr || p.values.count == 0), "ddp",
@@ -160,7 +162,9 @@ Reducer::Reducer(std::vector<ReducerParam> params, comm::Group group, ReducerOpt
   };
   for (size_t k = d.params.size(); k-- > 0;) {
     const size_t n = d.params[k].values.count;
-    if (!cur.params.empty() && (cur.count + n) * sizeof(float) > d.options.bucket_bytes) close();
+    const bool new_unit =
+        d.options.zero == 3 && !cur.params.empty() && d.params[cur.params.back()].unit != d.params[k].unit;
+    if (new_unit || (!cur.params.empty() && (cur.count + n) * sizeof(float) > d.options.bucket_bytes)) close();
     d.where[k] = {d.buckets.size(), cur.count};
     cur.params.push_back(k);
     cur.offsets.push_back(cur.count);
@@ -214,16 +218,17 @@ BufferView Reducer::values(size_t k) const {
   const Impl& d = *impl_;
   const auto [bi, offset] = d.where[d.checked_param(k)];
   const Bucket& b = d.buckets[bi];
-  DT_CHECK(b.values != nullptr, "ddp", "parameter '{}' has no place in a bucket's values without ZeRO",
-           d.params[k].name);
+  DT_CHECK(b.values != nullptr, "ddp", "parameter '{}' has no place in a bucket's values {}", d.params[k].name,
+           d.options.zero == 3 ? "while its bucket is not gathered (ZeRO 3)" : "without ZeRO");
   return {b.values.get() + offset, d.params[k].values.count, DataType::f32, b.values};
 }
 
 BufferView Reducer::piece(size_t bi) const {
   const Impl& d = *impl_;
   const Bucket& b = d.bucket(bi);
-  DT_CHECK(b.values != nullptr, "ddp", "bucket {} has no pieces without ZeRO", bi);
   const size_t piece = d.piece_of(b);
+  if (d.options.zero == 3) return {b.own.get(), piece, DataType::f32, b.own};
+  DT_CHECK(b.values != nullptr, "ddp", "bucket {} has no pieces without ZeRO", bi);
   return {b.values.get() + static_cast<size_t>(d.group.rank()) * piece, piece, DataType::f32, b.values};
 }
 
@@ -325,6 +330,22 @@ void Reducer::finish() {
 void Reducer::gather() {
   if (sharded()) impl_->sync->gather(impl_->buckets);
 }
+
+comm::Work Reducer::gather_values(size_t bi) {
+  Impl& d = *impl_;
+  DT_CHECK(d.options.zero == 3 && bi < d.buckets.size(), "ddp", "gather_values: bucket {} of {} (ZeRO {})", bi,
+           d.buckets.size(), d.options.zero);
+  return static_cast<ZeroSync&>(*d.sync).gather_values(d.buckets[bi]);
+}
+
+void Reducer::release_values(size_t bi) {
+  Impl& d = *impl_;
+  DT_CHECK(d.options.zero == 3 && bi < d.buckets.size(), "ddp", "release_values: bucket {} of {} (ZeRO {})", bi,
+           d.buckets.size(), d.options.zero);
+  d.buckets[bi].values.reset();
+}
+
+bool Reducer::has_values(size_t bi) const { return impl_->bucket(bi).values != nullptr; }
 
 double Reducer::piece_square_sum(const std::function<bool(size_t k)>& counted) const {
   const Impl& d = *impl_;

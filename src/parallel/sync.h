@@ -6,7 +6,7 @@
 //
 //   AllReduceSync            ZeRO 0: all_reduce (avg) per bucket                 sync_allreduce.cpp
 //   SharedAllReduceSync      ZeRO 0, one host: all_reduce in the shared slots    sync_shared.cpp
-//   ZeroSync                 ZeRO 1/2: reduce_scatter per bucket, all_gather     sync_zero.cpp
+//   ZeroSync                 ZeRO 1/2/3: reduce_scatter per bucket, all_gather   sync_zero.cpp
 //   SharedZeroSync           ZeRO 1, one host: reduce_scatter in place, barrier  sync_shared.cpp
 //   CompressedAllReduceSync  ZeRO 0, a codec, error feedback                     sync_compressed.cpp
 //   CompressedZeroSync       ZeRO 1/2, a codec, error feedback                   sync_compressed.cpp
@@ -45,7 +45,8 @@ struct Bucket {
   size_t count = 0;             // elements used
   size_t padded = 0;            // count rounded up to a multiple of the world size
   Floats grad;                  // padded gradients, reduced in place (ZeRO 2: only during a step)
-  Floats values;                // ZeRO: the parameters' home, padded
+  Floats values;                // ZeRO: the parameters' home, padded (ZeRO 3: only while gathered)
+  Floats own;                   // ZeRO 3: this rank's piece of the values, kept between steps
   Floats piece_grad;            // ZeRO: this rank's averaged piece, padded / world
   // The reducer's step state.
   size_t pending = 0;  // gradients not final yet in this step
@@ -114,7 +115,8 @@ class AllReduceSync : public SyncStrategy {
 
 /// ZeRO 1/2 on the heap: the values in the buckets, each bucket reduce_scattered (avg) into
 /// this rank's piece, the updated pieces all_gathered; ZeRO 2 frees the gradient buckets after
-/// each step.
+/// each step. ZeRO 3 also keeps only this rank's piece of the values (`own`): gather_values()
+/// all-gathers a bucket's whole values when a block needs them, and gather() has nothing to do.
 class ZeroSync : public SyncStrategy {
  public:
   using SyncStrategy::SyncStrategy;
@@ -122,6 +124,8 @@ class ZeroSync : public SyncStrategy {
   comm::Work start(Bucket& b) override;
   void end_step(std::vector<Bucket>& buckets) override;
   void gather(std::vector<Bucket>& buckets) override;
+  /// ZeRO 3: a fresh buffer for bucket b's whole values, and the all_gather that fills it.
+  comm::Work gather_values(Bucket& b);
 
  protected:
   /// Copies the parameters' values into bucket b's values.

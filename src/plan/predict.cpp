@@ -24,7 +24,7 @@ std::string Layout::str() const {
 void check_layout(const ModelSpec& model, const Layout& l, int64_t batch) {
   DT_CHECK(l.dp >= 1 && l.pp >= 1 && l.tp >= 1, "plan", "--dp {} x --pp {} x --tp {}: each must be at least 1", l.dp,
            l.pp, l.tp);
-  DT_CHECK(l.zero >= 0 && l.zero <= 2, "plan", "--zero {}: expected 0, 1 or 2", l.zero);
+  DT_CHECK(l.zero >= 0 && l.zero <= 3, "plan", "--zero {}: expected 0, 1, 2 or 3", l.zero);
   DT_CHECK(l.zero == 0 || l.dp > 1, "plan", "--zero {} shards over data-parallel ranks: it needs --dp 2 or more",
            l.zero);
   DT_CHECK(l.micro_batches >= 1 && l.accumulate >= 1, "plan",
@@ -198,7 +198,7 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
     SimStage st;
     StagePrediction sp;
     sp.blocks = r;
-    double params = 0.0, act = 0.0;
+    double params = 0.0, act = 0.0, largest_two = 0.0, largest = 0.0;
     std::vector<double> part_backward, part_bytes;  // per block, in backward order
     for (size_t i = r.end; i-- > r.begin;) {
       const BlockSpec& b = model.blocks[i];
@@ -209,6 +209,9 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
       part_backward.push_back(bw + (l.recompute ? f : 0.0));
       params += local_params(b, l.tp);
       part_bytes.push_back(local_params(b, l.tp) * prec.grad_bytes);
+      // ZeRO 3 gathers a block and prefetches the next: the two largest neighbours at most.
+      largest_two = std::max(largest_two, largest + local_params(b, l.tp));
+      largest = local_params(b, l.tp);
       act += rows * (b.act_bytes + b.tp_act_bytes / l.tp);
       for (int k = 0; k < b.tp_all_reduces && l.tp > 1; ++k) {
         st.forward_comm += all_reduce_cost(comm::Algorithm::automatic, rows * b.out_bytes, l.tp, links.tp.link);
@@ -232,7 +235,7 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
         st.buckets.push_back(l.zero > 0 ? reduce_scatter_cost(bytes, l.dp, links.dp.link)
                                         : all_reduce_cost(comm::Algorithm::automatic, bytes, l.dp, links.dp.link));
         st.ready_after.push_back(part);
-        if (l.zero > 0) {
+        if (l.zero > 0 && l.zero < 3) {
           st.after_optimizer += all_gather_cost(bytes / prec.grad_bytes * prec.param_bytes, l.dp, links.dp.link);
         }
       };
@@ -244,6 +247,13 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
         }
       }
       if (done - filled > 0) add_bucket(done - filled, static_cast<int>(part_bytes.size()) - 1);
+      // ZeRO 3: every micro-batch gathers the stage's parameters before its forward and again
+      // before its backward (counted on the critical path: the prefetch's overlap is not modelled).
+      if (l.zero == 3) {
+        const Cost gather = all_gather_cost(params * prec.param_bytes, l.dp, links.dp.link);
+        st.forward_comm += gather;
+        st.backward_comm += gather;
+      }
       // The gradient-ready hooks copy every gradient into its bucket.
       st.bucket_copy = done * hw.copy_s_per_byte;
     }
@@ -255,8 +265,9 @@ Prediction predict_impl(const ModelSpec& model, const Hardware& hw, const Layout
     sim.stages.push_back(st);
 
     // Memory of one rank of the stage.
-    sp.memory.params = params * prec.param_bytes;
-    sp.memory.grads = params * prec.grad_bytes / (l.zero == 2 ? l.dp : 1);
+    // ZeRO 3: this rank's piece, and the blocks gathered while they run.
+    sp.memory.params = l.zero == 3 ? (params / l.dp + largest_two) * prec.param_bytes : params * prec.param_bytes;
+    sp.memory.grads = params * prec.grad_bytes / (l.zero >= 2 ? l.dp : 1);
     sp.memory.optimizer = params * optimizer_state_bytes(l, prec) / (l.zero >= 1 ? l.dp : 1);
     const int64_t m = l.micro_batches;
     sp.in_flight = static_cast<int>(l.schedule == parallel::Schedule::gpipe ? m : std::min<int64_t>(l.pp - s, m));

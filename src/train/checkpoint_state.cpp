@@ -20,6 +20,11 @@ CheckpointShard checkpoint_shard(int64_t step, const nn::Model& model, const opt
   shard.step = step;
   shard.params = model.named_parameters();
   const bool zero = ddp != nullptr && ddp->sharded();
+  if (ddp != nullptr && ddp->shards_parameters()) {
+    // ZeRO 3: the parameters are pieces; the checkpoint holds them whole (collective).
+    std::vector<Tensor> whole = ddp->gather_pieces(ddp->optimizer_params());
+    for (size_t k = 0; k < shard.params.size(); ++k) shard.params[k].second = whole[k];
+  }
   const size_t slots = optimizer.params().size();
   // state() names are "KIND.INDEX" over the optimizer's parameters (ZeRO: bucket pieces).
   std::map<std::string, std::vector<Tensor>> kinds;
@@ -88,11 +93,24 @@ void load_parameters(const Saved& saved, std::vector<nn::NamedTensor>& named, pa
   // Ranks that share one copy of the parameters (ZeRO-1 on one host): the first writes it, and
   // the others wait for it below instead of writing the same bytes at the same time.
   const bool shared = ddp != nullptr && ddp->shares_parameters();
+  const bool pieces = ddp != nullptr && ddp->shards_parameters();
+  std::vector<Tensor> whole;
   for (auto& [name, p] : named) {
     auto it = saved.params.find(name);
     DT_CHECK(it != saved.params.end() && it->second.shape() == p.shape(), "train",
              "checkpoint step {} has no parameter '{}' of shape {}", step, name, shape_str(p.shape()));
-    if (!shared || coord.dp == 0) p.copy_from(it->second);
+    if (pieces) {
+      whole.push_back(it->second);
+    } else if (!shared || coord.dp == 0) {
+      p.copy_from(it->second);
+    }
+  }
+  if (pieces) {
+    // ZeRO 3: this rank keeps its pieces of the saved values.
+    const std::vector<Tensor> mine = ddp->scatter_pieces(whole);
+    const std::vector<Tensor> dst = ddp->optimizer_params();
+    for (size_t j = 0; j < dst.size(); ++j) Tensor(dst[j]).copy_from(mine[j]);
+    return;
   }
   if (shared) ddp->gather_parameters();  // in shared memory, a barrier
 }

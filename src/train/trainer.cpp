@@ -149,7 +149,7 @@ struct StateEstimate {
 StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
   StateEstimate e;
   e.params = 4 * local_params;
-  e.grads = cfg.zero == 2 ? e.params / cfg.dp : e.params;
+  e.grads = cfg.zero >= 2 ? e.params / cfg.dp : e.params;
   int64_t state = cfg.optimizer == "adamw" ? 2 * e.params : (cfg.momentum != 0.0f ? e.params : 0);
   // int8: a byte per moment and an f32 scale per 256 of them (each tensor's partial last block
   // adds at most one scale more than this).
@@ -157,6 +157,8 @@ StateEstimate estimate_state(const TrainConfig& cfg, int64_t local_params) {
     state = 2 * (local_params + 4 * ((local_params + optim::kQuantBlock - 1) / optim::kQuantBlock));
   }
   e.optimizer = state / (cfg.zero >= 1 ? cfg.dp : 1);
+  // ZeRO 3 keeps a piece of the parameters (and gathers about two blocks at a time: not counted).
+  if (cfg.zero == 3) e.params /= cfg.dp;
   // Offloaded, the state is on disk; a step holds one chunk of each of its tensors (4 for int8).
   if (!cfg.offload.empty()) e.optimizer = std::min<int64_t>(e.optimizer, 4 * 4 * optim::kOffloadChunk);
   return e;
@@ -296,6 +298,7 @@ class Trainer {
   void check_replicas_agree();
   void add_data_parallel_figures(nlohmann::json& record) const;
   std::vector<nn::NamedTensor> whole_model();
+  std::vector<nn::NamedTensor> local_parameters();
   void evaluate_run();
   void add_rank_figures(nlohmann::json& record);
   void add_profile(nlohmann::json& record) const;
@@ -445,7 +448,7 @@ void Trainer::check_memory() const {
     DT_THROW("train",
              "the model needs {} per process ({} parameters: {} of parameters, {} of "
              "gradients, {} of {} state) but --memory-limit is {}; split it with --pp or --tp "
-             "(or shard the optimizer with --dp and --zero{})",
+             "(or shard the optimizer with --dp and --zero, the parameters too with --zero 3{})",
              mib(need_.total()), model_->num_parameters(), mib(need_.params), mib(need_.grads), mib(need_.optimizer),
              cfg_.optimizer == "adamw" ? cfg_.optimizer_state + " adamw" : cfg_.optimizer, mib(cfg_.memory_limit),
              cfg_.optimizer == "adamw" && cfg_.optimizer_state == "f32"
@@ -467,8 +470,11 @@ void Trainer::build_data_parallel() {
   o.seed = cfg_.seed;
   o.deterministic = cfg_.deterministic;
   o.micro_batches = cfg_.dp * cfg_.accumulate * cfg_.micro_batches;
+  if (cfg_.zero == 3) o.units = parallel::block_units(*model_);
   ddp_ = std::make_unique<parallel::DataParallel>(model_->named_parameters(), mesh_->dp(), o);
   ddp_->broadcast_parameters();
+  // ZeRO 3: the blocks gather their parameters around each use.
+  model_->set_block_hooks(ddp_->block_hooks());
 }
 
 void Trainer::build_pipeline() {
@@ -825,6 +831,10 @@ void Trainer::synchronize(int64_t step) {
     trace_->span("bucket", ev.bucket, 1, ev.start, ev.end, step + 1, static_cast<int64_t>(ev.bytes));
     comm_time_ += seconds_since(ev.start, ev.end);
   }
+  // ZeRO 3: each block's all-gather, from its start (the prefetch) to its completion.
+  for (const auto& ev : ddp_->take_gather_events()) {
+    trace_->span("gather", ev.bucket, 1, ev.start, ev.end, step + 1, static_cast<int64_t>(ev.bytes));
+  }
   const parallel::CommVolume v = ddp_->take_comm_volume();
   wire_bytes_ += v.wire_bytes;
   raw_bytes_ += v.raw_bytes;
@@ -1020,7 +1030,7 @@ nlohmann::json Trainer::final_record() {
 // Replicas of one stage and shard must hold identical parameters: that is the contract.
 // Collective over the replicas.
 void Trainer::check_replicas_agree() {
-  const std::string digest = checkpoint::params_digest(model_->named_parameters());
+  const std::string digest = checkpoint::params_digest(local_parameters());
   std::vector<char> mine(64, 0), all(64 * static_cast<size_t>(cfg_.dp));
   std::memcpy(mine.data(), digest.data(), std::min<size_t>(64, digest.size()));
   mesh_->dp().all_gather(mine.data(), all.data(), 64, comm::DataType::u8);
@@ -1039,6 +1049,8 @@ void Trainer::add_data_parallel_figures(nlohmann::json& record) const {
   record["grad_bytes_per_rank"] = mem.grad_bytes;
   record["optimizer_bytes_per_rank"] = mem.optimizer_bytes;
   record["zero"] = cfg_.zero;
+  // ZeRO 3: the most bytes of whole blocks' parameters held at once (a block and the prefetched next).
+  if (ddp_->shards_parameters()) record["gathered_param_peak_bytes"] = ddp_->gathered_peak_bytes();
   record["buckets"] = ddp_->num_buckets();
   record["comm_s"] = comm_time_;
   // Gradient bytes per step that this rank sent, what f32 would have sent, and their ratio.
@@ -1057,7 +1069,7 @@ void Trainer::add_data_parallel_figures(nlohmann::json& record) const {
 // The whole model's parameters on rank 0 (tensor-parallel shards and stages gathered), in the
 // single-process order and names; this rank's on the others. Collective.
 std::vector<nn::NamedTensor> Trainer::whole_model() {
-  std::vector<nn::NamedTensor> full = model_->named_parameters();
+  std::vector<nn::NamedTensor> full = local_parameters();
   if (cfg_.tp > 1) {
     for (auto& [name, t] : full) {
       auto it = shard_specs_.find(name);
@@ -1068,11 +1080,23 @@ std::vector<nn::NamedTensor> Trainer::whole_model() {
   return full;
 }
 
+// This rank's stage and shard of the model, whole (ZeRO 3 gathers the pieces: collective over the
+// data-parallel replicas).
+std::vector<nn::NamedTensor> Trainer::local_parameters() {
+  std::vector<nn::NamedTensor> params = model_->named_parameters();
+  if (ddp_ && ddp_->shards_parameters()) {
+    std::vector<Tensor> whole = ddp_->gather_pieces(ddp_->optimizer_params());
+    for (size_t k = 0; k < params.size(); ++k) params[k].second = whole[k];
+  }
+  return params;
+}
+
 // Evaluation: the first data-parallel replica's ranks run forward; the last stage's first
-// shard computes the figure and hands it to rank 0.
+// shard computes the figure and hands it to rank 0. Under ZeRO 3 every replica runs it (each
+// block's forward gathers its parameters from all of them).
 void Trainer::evaluate_run() {
   double eval_value = 0.0;
-  if (coord_.dp == 0) {
+  if (coord_.dp == 0 || (ddp_ && ddp_->shards_parameters())) {
     std::function<Tensor(const Tensor&)> forward;
     if (pipe_) forward = [&](const Tensor& x) { return pipe_->forward_only(x); };
     eval_value = text_ ? evaluate(*model_, *src_.eval, batch_, cfg_.eval_batches, forward)

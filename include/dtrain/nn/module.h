@@ -57,6 +57,18 @@ class Module {
   bool training_ = true;
 };
 
+/// Called around each block's forward by Sequential (like PyTorch's module forward hooks):
+/// ZeRO-3 gathers a block's parameters there and frees them after use. Blocks [begin, end) run
+/// in this call; `i` is the block about to run or just run.
+class BlockHooks {
+ public:
+  virtual ~BlockHooks() = default;
+  virtual void before_block(size_t i, size_t begin, size_t end) = 0;
+  /// Returns what the next block gets: `output`, or a tensor over it with an autograd node of
+  /// its own (whose backward runs just before block i's).
+  virtual Tensor after_block(size_t i, size_t begin, size_t end, const Tensor& output) = 0;
+};
+
 /// Runs its children in order. Models are Sequentials of blocks so that a pipeline can cut
 /// them into stages between any two blocks.
 class Sequential : public Module {
@@ -71,9 +83,12 @@ class Sequential : public Module {
   void replace_block(size_t i, std::shared_ptr<Module> block);
   /// Forward through blocks [begin, end) only.
   Tensor forward_range(const Tensor& x, size_t begin, size_t end);
+  /// Hooks around every block's forward from now on (null: none).
+  void set_block_hooks(std::shared_ptr<BlockHooks> hooks) { hooks_ = std::move(hooks); }
 
  private:
   std::vector<std::shared_ptr<Module>> blocks_;
+  std::shared_ptr<BlockHooks> hooks_;
 };
 
 }  // namespace dtrain::nn

@@ -37,6 +37,21 @@
 // the updated pieces. zero=1 keeps full-size gradient buffers, zero=2 keeps only the pieces.
 // The parameters themselves are moved into the bucket buffers (their tensors stay valid).
 //
+// ZeRO 3 (options.zero = 3) also shards the parameters: between uses a rank keeps only its piece
+// of every bucket (the optimizer's piece, updated in place), and the parameters' tensors point at
+// nothing. What is gathered together is a *unit*: a run of consecutive blocks (options.units
+// gives each parameter's block, from block_units()) of up to 1 MiB (bucket_bytes if smaller), or
+// one block larger than that (FSDP's size-based wrapping); buckets never span two units. The model calls
+// block_hooks() around each block's forward (nn::Sequential::set_block_hooks): before a unit's
+// first block runs its buckets are all-gathered into fresh buffers that the parameters point at
+// (the next unit's gather starts too, so it overlaps this unit's compute), and after its last
+// block they are freed. Backward is the same in reverse: a node on the unit's output gathers it
+// again just before its backward (and starts the previous unit's), and once every parameter of
+// the unit has its gradient its buffers are freed. Gradients are reduce-scattered per bucket as in ZeRO 2. So a
+// rank holds 1/world() of the parameters, gradients and optimizer state between steps, plus
+// about two units' parameters while a unit runs. Reading every parameter at once (checkpoints,
+// the final digest) goes through gather_pieces(optimizer_params()).
+//
 // Compression (options.compress) cuts the bytes on the wire:
 // - "bf16", "fp16", "int8", "int4": each bucket's all_reduce (ZeRO: reduce_scatter) runs the
 //   comm layer's compressed collective (comm/compress.h: blocks encoded once per contributor,
@@ -81,7 +96,9 @@ namespace dtrain::parallel {
 
 struct DdpOptions {
   size_t bucket_bytes = size_t{25} << 20;
-  int zero = 0;                   // 0: replicate everything; 1: shard optimizer state; 2: also gradients
+  int zero = 0;                   // 0: replicate everything; 1: shard optimizer state; 2: also gradients;
+                                  // 3: also parameters (gathered per block around its use, see above)
+  std::vector<size_t> units;      // ZeRO 3: each parameter's block (block_units); empty: one block
   bool overlap = true;            // false: start every bucket in synchronize() (for measuring overlap)
   bool record_events = false;     // keep BucketEvents for take_bucket_events() (traces)
   bool share_memory = true;       // ZeRO 0/1 on one host: gradients (ZeRO 1: and parameters) in shared memory
@@ -100,6 +117,9 @@ struct MemoryReport {
   int64_t grad_bytes = 0;       // persistent gradient buffers (buckets or ZeRO pieces)
   int64_t optimizer_bytes = 0;  // the optimizer's state tensors
 };
+
+/// Each parameter's block in `model` (canonical order): ZeRO 3's units of gathering.
+std::vector<size_t> block_units(const nn::Sequential& model);
 
 class DataParallel {
  public:
@@ -152,8 +172,17 @@ class DataParallel {
   bool shares_memory() const;
   /// True when the parameters, too, are one copy in that memory (ZeRO 1): one rank writes them.
   bool shares_parameters() const;
-  /// ZeRO, collective, after the optimizer step: every rank gets every updated piece.
+  /// ZeRO, collective, after the optimizer step: every rank gets every updated piece. ZeRO 3:
+  /// frees whatever block is still gathered (its values are stale now).
   void gather_parameters();
+  /// ZeRO 3: the hooks the model must call around its blocks (Sequential::set_block_hooks);
+  /// null otherwise. They hold this object weakly.
+  std::shared_ptr<nn::BlockHooks> block_hooks() const;
+  /// ZeRO 3: the parameters are not held whole between uses.
+  bool shards_parameters() const;
+  /// ZeRO 3: the most bytes of whole blocks' parameters gathered at once so far (the transient
+  /// part of parameter memory).
+  int64_t gathered_peak_bytes() const;
 
   /// ZeRO, collective (checkpoints): from one tensor per optimizer_params() entry (this rank's
   /// piece of a bucket, e.g. an optimizer state), the whole tensor of every parameter, in
@@ -170,6 +199,9 @@ class DataParallel {
   MemoryReport memory(const optim::Optimizer& optimizer) const;
   /// Bucket communications since the last call (completed ones only).
   std::vector<BucketEvent> take_bucket_events();
+  /// ZeRO 3, record_events: the all-gathers of whole blocks since the last call, from their start
+  /// to their completion (`bucket` is the block), for traces that show them beside compute.
+  std::vector<BucketEvent> take_gather_events();
   /// Gradient bytes sent since the last call (see CommVolume).
   CommVolume take_comm_volume();
   /// The compression state of this rank (copies): error-feedback residuals per bucket

@@ -13,6 +13,11 @@
 //   the averaged gradients of piece r (piece_grad) and owns piece r of the bucket's *values*,
 //   where the parameters then live (the adapter moves them there); gather() shares the pieces
 //   after the update;
+// - under ZeRO 3 a rank keeps only its piece of the values between uses: gather_values(b)
+//   all-gathers bucket b's whole values into a fresh buffer (the adapter points the parameters
+//   there while a block runs) and release_values(b) frees it; the pieces are updated in place, so
+//   gather() has nothing to do. Buckets are cut at `unit` boundaries (blocks), so a block's
+//   parameters are whole buckets;
 // - the *strategy* is the way of synchronising, picked once at construction from the options:
 //   all_reduce, all_reduce in shared memory, ZeRO reduce_scatter + all_gather (in shared
 //   memory: reduce_scatter in place + barrier), compressed with error feedback, PowerSGD.
@@ -53,6 +58,7 @@ struct ReducerParam {
   std::string name;            // for messages
   BufferView values;           // its values now, f32 (ZeRO copies them into the buckets)
   int64_t rows = 0, cols = 0;  // a matrix (2-D) parameter's shape, for PowerSGD; 0, 0 otherwise
+  size_t unit = 0;             // ZeRO 3: what is gathered together (a model's block); buckets never span two
 };
 
 /// A parsed compression option: a codec, or PowerSGD of a rank.
@@ -86,7 +92,8 @@ struct StateEntry {
 
 struct ReducerOptions {
   size_t bucket_bytes = size_t{25} << 20;
-  int zero = 0;                // 0: replicate; 1: shard the values' updates; 2: also the gradient buffers
+  int zero = 0;                // 0: replicate; 1: shard the values' updates; 2: also the gradient buffers;
+                               // 3: also the values (gather_values / release_values around their use)
   bool overlap = true;         // false: start every bucket in finish() (for measuring overlap)
   bool record_events = false;  // keep BucketEvents for take_events()
   bool share_memory = true;    // ZeRO 0/1, every rank on one host: the buckets in memory the ranks share
@@ -157,6 +164,14 @@ class Reducer {
   void finish();
   /// ZeRO, collective, after the update of the pieces: every rank gets every updated piece.
   void gather();
+  /// ZeRO 3, collective (every rank gathers the same buckets in the same order): starts the
+  /// all_gather of bucket b's whole values into a fresh buffer, which values(k) views from now
+  /// on; wait for the Work before reading them.
+  comm::Work gather_values(size_t b);
+  /// ZeRO 3: drops bucket b's whole values (memory still viewed elsewhere lives until let go).
+  void release_values(size_t b);
+  /// ZeRO 3: whether bucket b's whole values are there (gathered, not released).
+  bool has_values(size_t b) const;
 
   /// ZeRO: the sum of the squares of this rank's averaged pieces, over the parameters
   /// `counted(k)` accepts (all when empty). Local.

@@ -91,7 +91,7 @@ struct Hardware {
 
 struct Layout {
   int dp = 1, pp = 1, tp = 1;
-  int zero = 0;  // 0, 1 (optimizer state sharded), 2 (also gradients)
+  int zero = 0;  // 0, 1 (optimizer state sharded), 2 (also gradients), 3 (also parameters, gathered per block)
   int64_t micro_batches = 1;
   int64_t accumulate = 1;
   parallel::Schedule schedule = parallel::Schedule::one_f_one_b;
