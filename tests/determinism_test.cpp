@@ -4,6 +4,7 @@
 // micro-batch must end with exactly it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -39,6 +40,20 @@ TEST_F(Determinism, MlpDigestIsTheSameOnEveryDataParallelLayout) {
   const std::vector<std::string> layouts = {"--dp 2 --accumulate 12", "--dp 3 --accumulate 8 --zero 1",
                                             "--dp 4 --accumulate 6 --zero 2", "--dp 8 --accumulate 3",
                                             "--dp 3 --accumulate 8 --backend tcp"};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    EXPECT_EQ(digest(mlp + " " + layouts[i], "l" + std::to_string(i)), one) << layouts[i];
+  }
+}
+
+// One micro-batch per rank and step: the ranks' gradients are reduced straight from the
+// buckets (shared memory: in place, no sums kept), an audit's recomputation leaves them alone.
+TEST_F(Determinism, MlpDigestWithOneMicroBatchPerRank) {
+  const std::string mlp =
+      "train --model mlp --hidden 32 --batch-size 8 --steps 3 --lr 0.01 --deterministic --progress=false";
+  const std::string one = digest(mlp + " --accumulate 4", "one");
+  ASSERT_EQ(one.size(), 64u);
+  const std::vector<std::string> layouts = {"--dp 4", "--dp 4 --zero 1 --audit 1", "--dp 4 --zero 2",
+                                            "--dp 2 --accumulate 2 --zero 1 --audit 1"};
   for (size_t i = 0; i < layouts.size(); ++i) {
     EXPECT_EQ(digest(mlp + " " + layouts[i], "l" + std::to_string(i)), one) << layouts[i];
   }
@@ -160,6 +175,56 @@ TEST(ExactSum, IsIndependentOfOrderAndGrouping) {
   bits ^= 1u;
   std::memcpy(&h[3], &bits, 4);
   EXPECT_NE(dtrain::parallel::bits_checksum(h.data(), h.size()), before);
+}
+
+// The vectorised loops give the bits of the scalar definition, round(g x 2^40) to nearest even
+// (ties, subnormals, both signs, lengths that are not a multiple of a vector), and exact_reduce
+// gives the bits of exact_add of every term followed by exact_to_float, also in place.
+TEST(ExactSum, VectorLoopsMatchTheScalarDefinition) {
+  using namespace dtrain::parallel;
+  const size_t n = 5003;  // several of exact_reduce's blocks and a ragged end
+  const int ranks = 3;
+  const double limit = exact_limit(12);
+  uint64_t state = 12345;
+  auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(state >> 32);
+  };
+  std::vector<std::vector<float>> g(ranks, std::vector<float>(n));
+  for (auto& v : g) {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits = next();
+      const uint32_t exponent = 127 - 60 + next() % 74;  // 2^-60 .. 2^13
+      bits = (bits & 0x807fffffu) | (exponent << 23);
+      if (i % 7 == 0) bits &= 0x807fffffu;  // subnormal
+      std::memcpy(&v[i], &bits, sizeof(bits));
+      if (i % 11 == 0) v[i] = std::ldexp(static_cast<float>(next() % 1000) + 0.5f, -kExactFractionBits);  // a tie
+      if (i % 13 == 0) v[i] = -v[i];
+    }
+  }
+  std::vector<int64_t> sums(n), expect(n, 0);
+  for (size_t i = 0; i < n; ++i) sums[i] = static_cast<int64_t>(next()) - (int64_t{1} << 31);
+  for (int q = 0; q < ranks; ++q) {
+    for (size_t i = 0; i < n; ++i) {
+      const double x = static_cast<double>(g[q][i]) * std::ldexp(1.0, kExactFractionBits);
+      expect[i] += std::llrint(x);  // the default rounding mode: nearest even
+    }
+  }
+  std::vector<int64_t> acc(n, 0);
+  for (int q = 0; q < ranks; ++q) ASSERT_EQ(exact_add(acc.data(), g[q].data(), n, limit), n);
+  EXPECT_EQ(acc, expect);
+  for (size_t i = 0; i < n; ++i) acc[i] += sums[i];
+  std::vector<float> want(n), got(n);
+  exact_to_float(acc.data(), want.data(), n, 12);
+  const float* grads[ranks] = {g[0].data(), g[1].data(), g[2].data()};
+  const int64_t* partial[ranks] = {nullptr, sums.data(), nullptr};
+  exact_reduce(got.data(), grads, partial, ranks, n, 12);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+  exact_reduce(g[1].data(), grads, partial, ranks, n, 12);  // into one of the inputs
+  EXPECT_EQ(std::memcmp(g[1].data(), want.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(exact_check(g[0].data(), n, limit), n);
+  g[0][4099] = static_cast<float>(-limit);
+  EXPECT_EQ(exact_check(g[0].data(), n, limit), 4099u);
 }
 
 }  // namespace

@@ -244,6 +244,15 @@ void Reducer::mark_ready(size_t k, const void* gradient) {
            d.params[k].name, d.step + 1);
   DT_CHECK(gradient != nullptr || d.params[k].values.count == 0, "ddp",
            "parameter '{}': gradient hook fired without a contiguous f32 gradient", d.params[k].name);
+  if (d.exact != nullptr) {
+    // --deterministic: the last micro-batch's gradient; its owner checks the range.
+    const size_t n = d.params[k].values.count;
+    const size_t at = d.exact->check(static_cast<const float*>(gradient), n);
+    if (at != n) {
+      throw_exact_range(d.params[k].name, static_cast<const float*>(gradient)[at], d.step + 1, d.group.rank(),
+                        d.exact->micro_batches());
+    }
+  }
   float* dst = d.grad_data(b) + offset;
   if (gradient != dst) comm::copy_bytes(dst, gradient, d.params[k].values.count * sizeof(float));
   d.ready[k] = true;
@@ -264,9 +273,9 @@ void Reducer::finish() {
   Impl& d = *impl_;
   const int world = d.group.size();
   // Parameters without a gradient in this step contribute zeros; then every bucket starts,
-  // in order. (Exact sums: a parameter without a gradient added nothing.)
+  // in order.
   for (Bucket& b : d.buckets) {
-    if (b.launched || b.pending == 0 || d.exact != nullptr) continue;
+    if (b.launched || b.pending == 0) continue;
     float* g = d.grad_data(b);
     for (size_t i = 0; i < b.params.size(); ++i) {
       const size_t k = b.params[i];
