@@ -115,6 +115,19 @@ TEST_F(Determinism, LayoutsThatCannotKeepTheGuaranteeAreRefused) {
   EXPECT_NE(audit.output.find("it needs --deterministic"), std::string::npos) << audit.output;
 }
 
+// A diverged run (gradients not finite) stops at the step it happened, naming the tensor and a
+// rank, on every rank: in the shared in-place reduction (any rank may find it) and on TCP.
+TEST_F(Determinism, AGradientOutOfTheExactRangeStopsTheRun) {
+  const std::string mlp =
+      "train --model mlp --hidden 16 --batch-size 8 --steps 3 --lr 1e30 --deterministic --progress=false";
+  for (const std::string layout : {"--dp 2", "--dp 2 --zero 1 --backend tcp"}) {
+    ProcessResult r = dtrain(mlp + " " + layout);
+    EXPECT_NE(r.code, 0) << layout;
+    EXPECT_NE(r.output.find("at step 2 has an element"), std::string::npos) << layout << ": " << r.output;
+    EXPECT_NE(r.output.find("outside the exact fixed-point range"), std::string::npos) << layout << ": " << r.output;
+  }
+}
+
 // A flipped gradient bit on any rank at any audited step stops the run, naming that rank, the
 // step and the tensor the fault flipped; without a fault the audited run ends with the digest
 // of the unaudited one.
@@ -218,13 +231,29 @@ TEST(ExactSum, VectorLoopsMatchTheScalarDefinition) {
   exact_to_float(acc.data(), want.data(), n, 12);
   const float* grads[ranks] = {g[0].data(), g[1].data(), g[2].data()};
   const int64_t* partial[ranks] = {nullptr, sums.data(), nullptr};
-  exact_reduce(got.data(), grads, partial, ranks, n, 12);
+  EXPECT_EQ(exact_reduce(got.data(), grads, partial, ranks, n, 12, limit).rank, -1);
   EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
-  exact_reduce(g[1].data(), grads, partial, ranks, n, 12);  // into one of the inputs
+  EXPECT_EQ(exact_reduce(g[1].data(), grads, partial, ranks, n, 12, limit).rank, -1);  // into one of the inputs
   EXPECT_EQ(std::memcmp(g[1].data(), want.data(), n * sizeof(float)), 0);
+  // Out of range or not finite: the first such element, by block, then rank, then index.
   EXPECT_EQ(exact_check(g[0].data(), n, limit), n);
-  g[0][4099] = static_cast<float>(-limit);
-  EXPECT_EQ(exact_check(g[0].data(), n, limit), 4099u);
+  g[2][4099] = static_cast<float>(-limit);
+  g[0][4100] = std::numeric_limits<float>::infinity();
+  g[0][4500] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(exact_check(g[2].data(), n, limit), 4099u);
+  const ExactOutOfRange bad = exact_reduce(got.data(), grads, partial, ranks, n, 12, limit);
+  EXPECT_EQ(bad.rank, 0);
+  EXPECT_EQ(bad.index, 4100u);
+  EXPECT_EQ(bad.value, std::numeric_limits<float>::infinity());
+  g[0][4100] = 0.0f;
+  const ExactOutOfRange other = exact_reduce(got.data(), grads, partial, ranks, n, 12, limit);
+  EXPECT_EQ(other.rank, 0);  // 4500 is in the same block of 1024 as 4099: rank 0 comes first
+  EXPECT_EQ(other.index, 4500u);
+  g[0][4500] = 0.0f;
+  const ExactOutOfRange last = exact_reduce(got.data(), grads, partial, ranks, n, 12, limit);
+  EXPECT_EQ(last.rank, 2);
+  EXPECT_EQ(last.index, 4099u);
+  EXPECT_EQ(last.value, static_cast<float>(-limit));
 }
 
 }  // namespace

@@ -32,6 +32,21 @@ void add_images(int64_t* __restrict acc, const float* __restrict g, size_t n) {
   }
 }
 
+// add_images, and whether any g[i] was not finite or not below `bound` in magnitude (those
+// add garbage: the caller drops the sums then).
+int add_images_checked(int64_t* __restrict acc, const float* __restrict g, size_t n, float bound) {
+  const double scale = std::ldexp(1.0, kExactFractionBits);
+  int bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const bool in = std::fabs(g[i]) < bound;  // false for NaN too
+    bad |= in ? 0 : 1;
+    // An element out of range adds 0 (its conversion could overflow).
+    const double image = std::nearbyint(static_cast<double>(in ? g[i] : 0.0f) * scale);
+    acc[i] += static_cast<int64_t>(image);
+  }
+  return bad;
+}
+
 void add_ints(int64_t* __restrict acc, const int64_t* __restrict x, size_t n) {
   for (size_t i = 0; i < n; ++i) acc[i] += x[i];
 }
@@ -68,20 +83,29 @@ void exact_to_float(const int64_t* acc, float* out, size_t n, int64_t divisor) {
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(acc[i]) * unit / d);
 }
 
-void exact_reduce(float* out, const float* const* grads, const int64_t* const* sums, int ranks, size_t n,
-                  int64_t divisor) {
+ExactOutOfRange exact_reduce(float* out, const float* const* grads, const int64_t* const* sums, int ranks, size_t n,
+                             int64_t divisor, double limit) {
   // A block of sums that stays in the L1 cache between the passes over the ranks.
   constexpr size_t kBlock = 1024;
   alignas(64) int64_t acc[kBlock];
+  const auto bound = static_cast<float>(limit);  // a power of two: exact
   for (size_t at = 0; at < n; at += kBlock) {
     const size_t m = std::min(kBlock, n - at);
     std::memset(acc, 0, m * sizeof(int64_t));
-    for (int q = 0; q < ranks; ++q) add_images(acc, grads[q] + at, m);
+    int bad = 0;
+    for (int q = 0; q < ranks; ++q) bad |= add_images_checked(acc, grads[q] + at, m, bound);
+    if (bad != 0) {
+      for (int q = 0; q < ranks; ++q) {
+        const size_t i = exact_check(grads[q] + at, m, limit);
+        if (i != m) return {q, at + i, grads[q][at + i]};
+      }
+    }
     for (int q = 0; sums != nullptr && q < ranks; ++q) {
       if (sums[q] != nullptr) add_ints(acc, sums[q] + at, m);
     }
     exact_to_float(acc, out + at, m, divisor);
   }
+  return {};
 }
 
 uint64_t bits_checksum(const float* g, size_t n) {

@@ -244,15 +244,6 @@ void Reducer::mark_ready(size_t k, const void* gradient) {
            d.params[k].name, d.step + 1);
   DT_CHECK(gradient != nullptr || d.params[k].values.count == 0, "ddp",
            "parameter '{}': gradient hook fired without a contiguous f32 gradient", d.params[k].name);
-  if (d.exact != nullptr) {
-    // --deterministic: the last micro-batch's gradient; its owner checks the range.
-    const size_t n = d.params[k].values.count;
-    const size_t at = d.exact->check(static_cast<const float*>(gradient), n);
-    if (at != n) {
-      throw_exact_range(d.params[k].name, static_cast<const float*>(gradient)[at], d.step + 1, d.group.rank(),
-                        d.exact->micro_batches());
-    }
-  }
   float* dst = d.grad_data(b) + offset;
   if (gradient != dst) comm::copy_bytes(dst, gradient, d.params[k].values.count * sizeof(float));
   d.ready[k] = true;

@@ -135,7 +135,8 @@ class ZeroSync : public SyncStrategy {
 /// per-bucket 64-bit fixed-point sums (add()); the last one's gradients are marked ready into the
 /// buckets as usual. After it, reduce_all() sums both over the ranks as integers and converts
 /// the sum / micro_batches once into the grad slots (ZeRO: piece_grad): layout-independent bits.
-/// On one host the ranks' gradients and sums are shared and reduced in place, in one pass.
+/// On one host the ranks' gradients and sums are shared and reduced in place, in one pass that
+/// also checks the last micro-batch's range.
 class ExactSync : public ZeroSync {
  public:
   /// share_memory: the gradients and sums live in memory the ranks on this host map, reduced in
@@ -152,9 +153,6 @@ class ExactSync : public ZeroSync {
   /// Adds `n` gradient elements of a micro-batch that is not this rank's last of the step at
   /// `offset` of bucket b; returns exact_add's answer (n: in range).
   size_t add(const Bucket& b, size_t offset, const float* gradient, size_t n);
-  /// exact_check against this step's range (the last micro-batch's gradients, before they are
-  /// marked ready).
-  size_t check(const float* gradient, size_t n) const;
   int64_t micro_batches() const { return micro_batches_; }
 
  private:
@@ -163,6 +161,8 @@ class ExactSync : public ZeroSync {
   float* gradients_of(size_t rank) const;
   int64_t* sums_of(size_t rank) const;
   int64_t* flag_of(size_t rank) const;
+  /// The error for rank `rank`'s gradient element `element` (of all buckets' elements).
+  [[noreturn]] void throw_out_of_range(const std::vector<Bucket>& buckets, size_t element, int rank, float value) const;
 
   int64_t micro_batches_;
   double limit_;
@@ -178,6 +178,8 @@ class ExactSync : public ZeroSync {
   int64_t* sums_base_ = nullptr;              // this rank's sums, all buckets (null: none)
   bool folded_ = false;                       // this step added a micro-batch into the sums
   bool stale_ = false;                        // shared: the sums hold the last step's (zeroed before the next add)
+  int64_t step_ = 0;                          // steps reduced (the reducer's step + 1 while reducing)
+  std::vector<std::string> names_;            // parameter names, for errors
   std::vector<std::vector<int64_t>> pieces_;  // heap ZeRO: per bucket, this rank's piece of the sums
 };
 

@@ -15,10 +15,12 @@
 //   [gradients: elements_ floats][sums: elements_ int64, if a rank has several micro-batches][flag]
 // A bucket sits at the same element offset at_[b] in the gradients and the sums (64-byte aligned);
 // the flag (one int64 in a 64-byte line) says whether this step's sums of that rank hold anything.
+#include <fmt/format.h>
 #include <sys/statvfs.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "dtrain/comm/copy.h"
 #include "dtrain/core/error.h"
@@ -54,6 +56,7 @@ ExactSync::ExactSync(SyncContext context, int64_t micro_batches, bool share_memo
       share_memory_(share_memory) {}
 
 void ExactSync::place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) {
+  for (const ReducerParam& p : params) names_.push_back(p.name);
   elements_ = 0;
   for (const Bucket& b : buckets) {
     at_.push_back(elements_);
@@ -128,8 +131,6 @@ comm::Work ExactSync::start(Bucket& b) {
            b.index);
 }
 
-size_t ExactSync::check(const float* gradient, size_t n) const { return exact_check(gradient, n, limit_); }
-
 size_t ExactSync::add(const Bucket& b, size_t offset, const float* gradient, size_t n) {
   DT_CHECK(sums_base_ != nullptr, "ddp",
            "--deterministic: a rank added a second micro-batch in a step of {} micro-batches over {} ranks (one "
@@ -145,11 +146,25 @@ size_t ExactSync::add(const Bucket& b, size_t offset, const float* gradient, siz
 }
 
 void ExactSync::reduce_all(std::vector<Bucket>& buckets) {
+  ++step_;
   if (shared_.valid()) {
     reduce_shared(buckets);
   } else {
     reduce_heap(buckets);
   }
+}
+
+void ExactSync::throw_out_of_range(const std::vector<Bucket>& buckets, size_t element, int rank, float value) const {
+  for (const Bucket& b : buckets) {
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const size_t begin = at_[b.index] + b.offsets[i];
+      const size_t end = i + 1 < b.offsets.size() ? at_[b.index] + b.offsets[i + 1] : at_[b.index] + b.count;
+      if (element >= begin && element < end) {
+        throw_exact_range(names_[b.params[i]], value, step_, rank, micro_batches_);
+      }
+    }
+  }
+  throw_exact_range(fmt::format("(bucket padding at element {})", element), value, step_, rank, micro_batches_);
 }
 
 void ExactSync::reduce_shared(std::vector<Bucket>& buckets) {
@@ -168,39 +183,61 @@ void ExactSync::reduce_shared(std::vector<Bucket>& buckets) {
     }
   };
   const uint64_t sum_bytes = any_sums ? sizeof(int64_t) : 0;
+  ExactOutOfRange bad;  // the first element out of range in this rank's slice or pieces
   if (ctx_.zero == 0) {
     // Slice `rank` of all buckets' elements; the padding holds zeros and stays so.
     const size_t per = round_up((elements_ + world - 1) / world, kAlign);
     const size_t lo = std::min(elements_, rank * per), hi = std::min(elements_, lo + per);
     float* mine = gradients_of(rank);
-    for (size_t at = lo; at < hi; at += kBlock) {
+    for (size_t at = lo; at < hi && bad.rank < 0; at += kBlock) {
       const size_t n = std::min(kBlock, hi - at);
       point(at);
-      exact_reduce(mine + at, grads.data(), sums.data(), static_cast<int>(world), n, micro_batches_);
+      bad = exact_reduce(mine + at, grads.data(), sums.data(), static_cast<int>(world), n, micro_batches_, limit_);
+      bad.index += at;
+      if (bad.rank >= 0) break;
       for (size_t k = 1; k < world; ++k) {
         const size_t q = (rank + k) % world;
         comm::copy_bytes(gradients_of(q) + at, mine + at, n * sizeof(float));
       }
     }
-    ctx_.group.barrier();  // every rank's gradients hold every slice; nobody reads the sums any more
     for (const Bucket& b : buckets) {
       volume_.wire_bytes += 2 * b.count * (sizeof(float) + sum_bytes) * (world - 1) / world;
       volume_.raw_bytes += 2 * b.count * sizeof(float) * (world - 1) / world;
     }
   } else {
-    // This rank's piece of every bucket into piece_grad. No second barrier: a rank writes its
-    // gradients and sums again only after the step's gather(), a collective this rank joins
-    // after its reads.
+    // This rank's piece of every bucket into piece_grad.
     for (Bucket& b : buckets) {
+      if (bad.rank >= 0) break;
       const size_t piece = ctx_.piece_of(b);
       point(at_[b.index] + rank * piece);
-      exact_reduce(b.piece_grad.get(), grads.data(), sums.data(), static_cast<int>(world), piece, micro_batches_);
+      bad = exact_reduce(b.piece_grad.get(), grads.data(), sums.data(), static_cast<int>(world), piece, micro_batches_,
+                         limit_);
+      bad.index += at_[b.index] + rank * piece;
       volume_.wire_bytes += b.padded * (sizeof(float) + sum_bytes) * (world - 1) / world;
       volume_.raw_bytes += b.padded * sizeof(float) * (world - 1) / world;
     }
   }
+  // Did any rank meet a gradient element out of range? The smallest (element, rank) wins, so
+  // every rank names the same one. This collective also ends the reads of the peers' gradients
+  // and sums and (ZeRO 0) the writes into them: each rank writes its own again after it.
+  const int64_t none = std::numeric_limits<int64_t>::max();
+  int64_t first = bad.rank >= 0 ? static_cast<int64_t>(bad.index * world) + bad.rank : none;
+  ctx_.group.all_reduce(&first, &first, 1, comm::DataType::i64, comm::ReduceOp::min);
   stale_ = folded_;
   folded_ = false;
+  if (first != none) {
+    // The value, from the rank that found it.
+    uint32_t bits = 0;
+    if (bad.rank >= 0 && static_cast<int64_t>(bad.index * world) + bad.rank == first) {
+      std::memcpy(&bits, &bad.value, sizeof(bits));
+    }
+    int64_t value = bits;
+    ctx_.group.all_reduce(&value, &value, 1, comm::DataType::i64, comm::ReduceOp::max);
+    bits = static_cast<uint32_t>(value);
+    float v = 0.0f;
+    std::memcpy(&v, &bits, sizeof(v));
+    throw_out_of_range(buckets, static_cast<size_t>(first) / world, static_cast<int>(first % world), v);
+  }
 }
 
 void ExactSync::reduce_heap(std::vector<Bucket>& buckets) {
@@ -208,9 +245,9 @@ void ExactSync::reduce_heap(std::vector<Bucket>& buckets) {
   const uint64_t world = ctx_.world();
   for (Bucket& b : buckets) {
     int64_t* sum = sums_base_ + at_[b.index];
-    // The last micro-batch's gradients (checked by mark_ready; zeros where none) join the sums.
+    // The last micro-batch's gradients (zeros where none) join the sums.
     const size_t at = exact_add(sum, b.grad.get(), b.count, limit_);
-    DT_CHECK(at == b.count, "ddp", "--deterministic: bucket {} element {} is out of the exact range", b.index, at);
+    if (at != b.count) throw_out_of_range(buckets, at_[b.index] + at, ctx_.group.rank(), b.grad.get()[at]);
     if (ctx_.zero == 0) {
       works.push_back(ctx_.group.all_reduce_async(sum, sum, b.count, comm::DataType::i64, comm::ReduceOp::sum));
       volume_.wire_bytes += 2 * b.count * sizeof(int64_t) * (world - 1) / world;
