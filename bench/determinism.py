@@ -4,6 +4,7 @@ the cost, side by side with the settings of bench/ddp_compare.py.
 
     /usr/bin/python3 bench/determinism.py [--only table,flips,elastic,mpi,netns,cost] [--repeats 3]
                                           [--mlp-steps 60] [--gpt-steps 20] [--flips 10]
+                                          [--before OLD_BUILD/dtrain] [--audit-every 100]
 
 table  the params digest of the MLP (784-1024-1024-10) and the GPT (4 x 128, T 128) with
        --deterministic on every layout of one global batch and micro-batch: --dp 1,2,3,4,6,8 x
@@ -13,11 +14,12 @@ table  the params digest of the MLP (784-1024-1024-10) and the GPT (4 x 128, T 1
        digest must equal one process's: exit 1 otherwise.
 flips  --flips runs with DTRAIN_FAULT=bitflip at different ranks and steps, --audit 1: each must
        stop, naming the rank, the step and the tensor the fault flipped.
-cost   throughput with and without --deterministic (and with --audit 100), ddp_compare.py's jobs:
+cost   throughput with and without --deterministic (and with --audit K, --audit-every), ddp_compare.py's jobs:
        the same models, AdamW, per-rank batch 64 (mlp) / 16 (gpt), one thread per process,
        --zero 1, worlds 2 and 4; every repeat runs every configuration once, alternating the
        order, so background load hits all alike. Cell: median samples/s (tokens/s) and the
-       ratio to the plain run; the issue's limits: 5% (gpt), 10% (mlp), audit 2%.
+       ratio to the plain run; the issue's limits: 5% (gpt), 10% (mlp), audit 2%. --before PATH
+       adds a --deterministic run of another build (e.g. main's) to every repeat.
 elastic  four node agents (dtrain launch --nnodes 3:4, one worker each): one leaves while the job
        runs and comes back; the digest must be the unchanged run's.
 mpi    the table's MLP job under `mpirun -np 4 dtrain train --backend mpi` (if built with MPI).
@@ -53,10 +55,10 @@ def env(extra=None):
     return e
 
 
-def run(args, tmp, name, extra_env=None, timeout=900, prefix=None, check=True):
+def run(args, tmp, name, extra_env=None, timeout=900, prefix=None, check=True, binary=DTRAIN):
     """Runs dtrain train ARGS with --metrics; returns (final record or None, output)."""
     metrics = os.path.join(tmp, name + ".jsonl")
-    cmd = (prefix or []) + [DTRAIN, "train"] + args.split() + ["--progress=false", "--metrics", metrics]
+    cmd = (prefix or []) + [binary, "train"] + args.split() + ["--progress=false", "--metrics", metrics]
     p = subprocess.run(cmd, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if p.returncode != 0:
@@ -151,14 +153,18 @@ def flips(tmp, results, count):
 
 # -------------------------------------------------------------------------------------- cost
 
-def cost(tmp, results, repeats, mlp_steps, gpt_steps):
+def cost(tmp, results, repeats, mlp_steps, gpt_steps, before=None, audit_every=100):
     jobs = {
         "mlp": f"--model mlp --optimizer adamw --lr 1e-3 --steps {mlp_steps}",
         "gpt": f"--model gpt --data text:{CORPUS} --optimizer adamw --lr 3e-4 --steps {gpt_steps}",
     }
     per_rank = {"mlp": 64, "gpt": 16}
     unit = {"mlp": "samples_per_s", "gpt": "tokens_per_s"}
-    variants = {"plain": "", "deterministic": "--deterministic", "audit100": "--deterministic --audit 100"}
+    audit = f"audit{audit_every}"
+    variants = {"plain": "", "deterministic": "--deterministic", audit: f"--deterministic --audit {audit_every}"}
+    steps = {"mlp": mlp_steps, "gpt": gpt_steps}
+    if before:
+        variants["before"] = "--deterministic"  # run by the --before binary
     cells = {}
     for rep in range(repeats):
         order = [(m, w, v) for m in jobs for w in (2, 4) for v in variants]
@@ -166,7 +172,8 @@ def cost(tmp, results, repeats, mlp_steps, gpt_steps):
             order.reverse()
         for model, world, variant in order:
             args = f"{jobs[model]} --dp {world} --zero 1 --batch-size {per_rank[model] * world} {variants[variant]}"
-            rec, _ = run(args, tmp, f"cost-{model}-{world}-{variant}")
+            rec, _ = run(args, tmp, f"cost-{model}-{world}-{variant}",
+                         binary=before if variant == "before" else DTRAIN)
             if rec:
                 cells.setdefault((model, world, variant), []).append(rec[unit[model]])
     rows = []
@@ -175,15 +182,30 @@ def cost(tmp, results, repeats, mlp_steps, gpt_steps):
     for model in jobs:
         for world in (2, 4):
             plain = statistics.median(cells.get((model, world, "plain"), [0]))
-            for variant in ("deterministic", "audit100"):
+            for variant in [v for v in variants if v != "plain"]:
                 v = statistics.median(cells.get((model, world, variant), [0]))
                 slower = 1 - v / plain if plain else float("nan")
                 rows.append({"model": model, "world": world, "variant": variant, "plain": plain, "value": v,
                              "slower": slower})
+                note = ""
+                if variant == audit:
+                    # The audit's own cost, against --deterministic alone; it grows as 1/K, so at
+                    # K = 100 it is (K / 100) of the cost at K.
+                    det = statistics.median(cells.get((model, world, "deterministic"), [0]))
+                    own = 1 - v / det if det else float("nan")
+                    audits = steps[model] // audit_every
+                    note = (f" ({audits} audits, {own:+.1%} against --deterministic; at --audit 100: "
+                            f"{own * audit_every / 100:+.1%})" if audits else
+                            " (no audit ran: fewer steps than --audit-every)")
                 print(f"{model} dp {world} {variant:13} {v:12.1f} vs {plain:12.1f} {unit[model]}: "
-                      f"{100 * slower:+.1f}% slower (limit {100 * limit[model]:.0f}%)", flush=True)
+                      f"{100 * slower:+.1f}% slower (limit {100 * limit[model]:.0f}%){note}", flush=True)
                 if variant == "deterministic":
                     ok &= slower <= limit[model]
+            if before:
+                det = statistics.median(cells.get((model, world, "deterministic"), [0]))
+                old = statistics.median(cells.get((model, world, "before"), [0]))
+                if old:
+                    print(f"{model} dp {world} --deterministic now / --before: {det / old:.2f}x", flush=True)
     results["cost"] = rows
     return ok
 
@@ -311,6 +333,11 @@ def main():
     ap.add_argument("--mlp-steps", type=int, default=60)
     ap.add_argument("--gpt-steps", type=int, default=20)
     ap.add_argument("--flips", type=int, default=10)
+    ap.add_argument("--audit-every", type=int, default=100,
+                    help="cost: K of the --audit variant (below 100 it runs within fewer steps; the cost is then "
+                    "also shown scaled to K = 100)")
+    ap.add_argument("--before", help="cost: also run --deterministic with this dtrain binary (an older build), "
+                    "side by side")
     a = ap.parse_args()
     parts = set(a.only.split(","))
     results = {}
@@ -327,7 +354,7 @@ def main():
         if "netns" in parts:
             ok &= netns(tmp, results)
         if "cost" in parts:
-            ok &= cost(tmp, results, a.repeats, a.mlp_steps, a.gpt_steps)
+            ok &= cost(tmp, results, a.repeats, a.mlp_steps, a.gpt_steps, a.before, a.audit_every)
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "results", "determinism.json"), "w") as f:
         json.dump(results, f, indent=1)

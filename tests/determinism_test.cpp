@@ -4,6 +4,7 @@
 // micro-batch must end with exactly it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -39,6 +40,20 @@ TEST_F(Determinism, MlpDigestIsTheSameOnEveryDataParallelLayout) {
   const std::vector<std::string> layouts = {"--dp 2 --accumulate 12", "--dp 3 --accumulate 8 --zero 1",
                                             "--dp 4 --accumulate 6 --zero 2", "--dp 8 --accumulate 3",
                                             "--dp 3 --accumulate 8 --backend tcp"};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    EXPECT_EQ(digest(mlp + " " + layouts[i], "l" + std::to_string(i)), one) << layouts[i];
+  }
+}
+
+// One micro-batch per rank and step: the ranks' gradients are reduced straight from the
+// buckets (shared memory: in place, no sums kept), an audit's recomputation leaves them alone.
+TEST_F(Determinism, MlpDigestWithOneMicroBatchPerRank) {
+  const std::string mlp =
+      "train --model mlp --hidden 32 --batch-size 8 --steps 3 --lr 0.01 --deterministic --progress=false";
+  const std::string one = digest(mlp + " --accumulate 4", "one");
+  ASSERT_EQ(one.size(), 64u);
+  const std::vector<std::string> layouts = {"--dp 4", "--dp 4 --zero 1 --audit 1", "--dp 4 --zero 2",
+                                            "--dp 2 --accumulate 2 --zero 1 --audit 1"};
   for (size_t i = 0; i < layouts.size(); ++i) {
     EXPECT_EQ(digest(mlp + " " + layouts[i], "l" + std::to_string(i)), one) << layouts[i];
   }
@@ -98,6 +113,19 @@ TEST_F(Determinism, LayoutsThatCannotKeepTheGuaranteeAreRefused) {
   ProcessResult audit = dtrain("train --model mlp --hidden 16 --batch-size 8 --steps 2 --audit 1 --progress=false");
   EXPECT_NE(audit.code, 0);
   EXPECT_NE(audit.output.find("it needs --deterministic"), std::string::npos) << audit.output;
+}
+
+// A diverged run (gradients not finite) stops at the step it happened, naming the tensor and a
+// rank, on every rank: in the shared in-place reduction (any rank may find it) and on TCP.
+TEST_F(Determinism, AGradientOutOfTheExactRangeStopsTheRun) {
+  const std::string mlp =
+      "train --model mlp --hidden 16 --batch-size 8 --steps 3 --lr 1e30 --deterministic --progress=false";
+  for (const std::string layout : {"--dp 2", "--dp 2 --zero 1 --backend tcp"}) {
+    ProcessResult r = dtrain(mlp + " " + layout);
+    EXPECT_NE(r.code, 0) << layout;
+    EXPECT_NE(r.output.find("at step 2 has an element"), std::string::npos) << layout << ": " << r.output;
+    EXPECT_NE(r.output.find("outside the exact fixed-point range"), std::string::npos) << layout << ": " << r.output;
+  }
 }
 
 // A flipped gradient bit on any rank at any audited step stops the run, naming that rank, the
@@ -160,6 +188,72 @@ TEST(ExactSum, IsIndependentOfOrderAndGrouping) {
   bits ^= 1u;
   std::memcpy(&h[3], &bits, 4);
   EXPECT_NE(dtrain::parallel::bits_checksum(h.data(), h.size()), before);
+}
+
+// The vectorised loops give the bits of the scalar definition, round(g x 2^40) to nearest even
+// (ties, subnormals, both signs, lengths that are not a multiple of a vector), and exact_reduce
+// gives the bits of exact_add of every term followed by exact_to_float, also in place.
+TEST(ExactSum, VectorLoopsMatchTheScalarDefinition) {
+  using namespace dtrain::parallel;
+  const size_t n = 5003;  // several of exact_reduce's blocks and a ragged end
+  const int ranks = 3;
+  const double limit = exact_limit(12);
+  uint64_t state = 12345;
+  auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(state >> 32);
+  };
+  std::vector<std::vector<float>> g(ranks, std::vector<float>(n));
+  for (auto& v : g) {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits = next();
+      const uint32_t exponent = 127 - 60 + next() % 74;  // 2^-60 .. 2^13
+      bits = (bits & 0x807fffffu) | (exponent << 23);
+      if (i % 7 == 0) bits &= 0x807fffffu;  // subnormal
+      std::memcpy(&v[i], &bits, sizeof(bits));
+      if (i % 11 == 0) v[i] = std::ldexp(static_cast<float>(next() % 1000) + 0.5f, -kExactFractionBits);  // a tie
+      if (i % 13 == 0) v[i] = -v[i];
+    }
+  }
+  std::vector<int64_t> sums(n), expect(n, 0);
+  for (size_t i = 0; i < n; ++i) sums[i] = static_cast<int64_t>(next()) - (int64_t{1} << 31);
+  for (int q = 0; q < ranks; ++q) {
+    for (size_t i = 0; i < n; ++i) {
+      const double x = static_cast<double>(g[q][i]) * std::ldexp(1.0, kExactFractionBits);
+      expect[i] += std::llrint(x);  // the default rounding mode: nearest even
+    }
+  }
+  std::vector<int64_t> acc(n, 0);
+  for (int q = 0; q < ranks; ++q) ASSERT_EQ(exact_add(acc.data(), g[q].data(), n, limit), n);
+  EXPECT_EQ(acc, expect);
+  for (size_t i = 0; i < n; ++i) acc[i] += sums[i];
+  std::vector<float> want(n), got(n);
+  exact_to_float(acc.data(), want.data(), n, 12);
+  const float* grads[ranks] = {g[0].data(), g[1].data(), g[2].data()};
+  const int64_t* partial[ranks] = {nullptr, sums.data(), nullptr};
+  EXPECT_EQ(exact_reduce(got.data(), grads, partial, ranks, n, 12, limit).rank, -1);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(exact_reduce(g[1].data(), grads, partial, ranks, n, 12, limit).rank, -1);  // into one of the inputs
+  EXPECT_EQ(std::memcmp(g[1].data(), want.data(), n * sizeof(float)), 0);
+  // Out of range or not finite: the first such element, by block, then rank, then index.
+  EXPECT_EQ(exact_check(g[0].data(), n, limit), n);
+  g[2][4099] = static_cast<float>(-limit);
+  g[0][4100] = std::numeric_limits<float>::infinity();
+  g[0][4500] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(exact_check(g[2].data(), n, limit), 4099u);
+  const ExactOutOfRange bad = exact_reduce(got.data(), grads, partial, ranks, n, 12, limit);
+  EXPECT_EQ(bad.rank, 0);
+  EXPECT_EQ(bad.index, 4100u);
+  EXPECT_EQ(bad.value, std::numeric_limits<float>::infinity());
+  g[0][4100] = 0.0f;
+  const ExactOutOfRange other = exact_reduce(got.data(), grads, partial, ranks, n, 12, limit);
+  EXPECT_EQ(other.rank, 0);  // 4500 is in the same block of 1024 as 4099: rank 0 comes first
+  EXPECT_EQ(other.index, 4500u);
+  g[0][4500] = 0.0f;
+  const ExactOutOfRange last = exact_reduce(got.data(), grads, partial, ranks, n, 12, limit);
+  EXPECT_EQ(last.rank, 2);
+  EXPECT_EQ(last.index, 4099u);
+  EXPECT_EQ(last.value, static_cast<float>(-limit));
 }
 
 }  // namespace

@@ -77,6 +77,17 @@ struct DataParallel::Impl {
 
   comm::Group& group() const { return reducer->group(); }
 
+  // Gradient as bucket view: linear layers write their gradients straight into the buckets
+  // (ZeRO 2 frees its full-size buffers between steps, so it keeps copying). Off: backward
+  // writes new tensors.
+  void set_grad_homes(bool on) {
+    if (options.zero == 2) return;
+    for (size_t k = 0; k < params.size(); ++k) {
+      Tensor& t = params[k].second;
+      t.set_grad_home(on ? view_of(reducer->grad(k), t.shape()) : Tensor());
+    }
+  }
+
   void on_grad_ready(size_t index, Tensor& param) {
     if (sync && !options.deterministic) {
       const Tensor g = param.grad();
@@ -303,14 +314,7 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
       d.pieces.push_back(std::move(piece));
     }
   }
-  // Gradient as bucket view: linear layers write their gradients straight into the buckets
-  // (ZeRO 2 frees its full-size buffers between steps, so it keeps copying).
-  if (options.zero < 2) {
-    for (size_t k = 0; k < d.params.size(); ++k) {
-      Tensor& t = d.params[k].second;
-      t.set_grad_home(view_of(reducer.grad(k), t.shape()));
-    }
-  }
+  d.set_grad_homes(true);
   // Hooks hold the state weakly: a model that outlives its DataParallel stops syncing.
   std::weak_ptr<Impl> weak = impl_;
   for (size_t k = 0; k < d.params.size(); ++k) {
@@ -367,20 +371,29 @@ bool DataParallel::deterministic() const { return impl_->options.deterministic; 
 void DataParallel::add_micro_batch() {
   Impl& d = *impl_;
   DT_CHECK(d.options.deterministic, "ddp", "add_micro_batch: DataParallel was not built with deterministic");
+  // With sync on, this is the rank's last micro-batch of the step: its gradients stay in the
+  // buckets (marked ready, as without --deterministic) and finish() reduces them with the sums.
   for (size_t k = 0; k < d.params.size(); ++k) {
     Tensor& t = d.params[k].second;
     Tensor g = t.grad();
     if (!g.defined()) continue;
     g = g.contiguous();
-    d.reducer->add_exact(k, g.data());
+    if (d.sync) {
+      d.reducer->mark_ready(k, g.data());
+    } else {
+      d.reducer->add_exact(k, g.data());
+    }
     t.zero_grad();
   }
+  // A backward before synchronize() (--audit recomputes a micro-batch) must not write into them.
+  if (d.sync) d.set_grad_homes(false);
 }
 
 void DataParallel::synchronize() {
   Impl& d = *impl_;
   Reducer& reducer = *d.reducer;
   reducer.finish();
+  if (d.options.deterministic) d.set_grad_homes(true);
   // Hand the averaged gradients over as views of the buffers.
   if (d.options.zero == 0) {
     for (size_t k = 0; k < d.params.size(); ++k) {

@@ -1,9 +1,10 @@
 // Exact gradient sums in 64-bit fixed point (exact.h, docs/determinism.md). The loops are
 // written so the compiler vectorises them (nearbyint and the conversion to int64 have vector
-// forms on AVX-512; elsewhere they run scalar, with the same results: rounding to nearest even
-// is the same instruction's job in either form).
+// forms on AVX-512; elsewhere the conversion runs scalar, with the same results: rounding to
+// nearest even is the same instruction's job in either form).
 #include "dtrain/parallel/exact.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -19,6 +20,37 @@ int ceil_log2(int64_t n) {
   return bits;
 }
 
+// acc[i] += round(g[i] x 2^F), nearest even. Written so that GCC vectorises it (vrndscalepd and
+// vcvttpd2qq on AVX-512; the form `acc += (int64_t)nearbyint(x)` in one expression became a
+// scalar cvtsd2si loop): g x 2^F is exact in double, nearbyint rounds it to an integer in the
+// current (nearest-even) mode and the conversion of that integer is exact.
+void add_images(int64_t* __restrict acc, const float* __restrict g, size_t n) {
+  const double scale = std::ldexp(1.0, kExactFractionBits);
+  for (size_t i = 0; i < n; ++i) {
+    const double image = std::nearbyint(static_cast<double>(g[i]) * scale);
+    acc[i] += static_cast<int64_t>(image);
+  }
+}
+
+// add_images, and whether any g[i] was not finite or not below `bound` in magnitude (those
+// add garbage: the caller drops the sums then).
+int add_images_checked(int64_t* __restrict acc, const float* __restrict g, size_t n, float bound) {
+  const double scale = std::ldexp(1.0, kExactFractionBits);
+  int bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const bool in = std::fabs(g[i]) < bound;  // false for NaN too
+    bad |= in ? 0 : 1;
+    // An element out of range adds 0 (its conversion could overflow).
+    const double image = std::nearbyint(static_cast<double>(in ? g[i] : 0.0f) * scale);
+    acc[i] += static_cast<int64_t>(image);
+  }
+  return bad;
+}
+
+void add_ints(int64_t* __restrict acc, const int64_t* __restrict x, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += x[i];
+}
+
 }  // namespace
 
 double exact_limit(int64_t micro_batches) {
@@ -27,7 +59,7 @@ double exact_limit(int64_t micro_batches) {
   return std::ldexp(1.0, 62 - kExactFractionBits - ceil_log2(micro_batches));
 }
 
-size_t exact_add(int64_t* acc, const float* g, size_t n, double limit) {
+size_t exact_check(const float* g, size_t n, double limit) {
   const auto bound = static_cast<float>(limit);  // a power of two: exact
   int bad = 0;
   for (size_t i = 0; i < n; ++i) bad |= !(std::fabs(g[i]) < bound) ? 1 : 0;  // NaN too
@@ -36,15 +68,44 @@ size_t exact_add(int64_t* acc, const float* g, size_t n, double limit) {
       if (!(std::fabs(g[i]) < bound)) return i;
     }
   }
-  const double scale = std::ldexp(1.0, kExactFractionBits);
-  for (size_t i = 0; i < n; ++i) acc[i] += static_cast<int64_t>(std::nearbyint(static_cast<double>(g[i]) * scale));
   return n;
+}
+
+size_t exact_add(int64_t* acc, const float* g, size_t n, double limit) {
+  const size_t at = exact_check(g, n, limit);
+  if (at == n) add_images(acc, g, n);
+  return at;
 }
 
 void exact_to_float(const int64_t* acc, float* out, size_t n, int64_t divisor) {
   const double unit = std::ldexp(1.0, -kExactFractionBits);
   const auto d = static_cast<double>(divisor);
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(acc[i]) * unit / d);
+}
+
+ExactOutOfRange exact_reduce(float* out, const float* const* grads, const int64_t* const* sums, int ranks, size_t n,
+                             int64_t divisor, double limit) {
+  // A block of sums that stays in the L1 cache between the passes over the ranks.
+  constexpr size_t kBlock = 1024;
+  alignas(64) int64_t acc[kBlock];
+  const auto bound = static_cast<float>(limit);  // a power of two: exact
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t m = std::min(kBlock, n - at);
+    std::memset(acc, 0, m * sizeof(int64_t));
+    int bad = 0;
+    for (int q = 0; q < ranks; ++q) bad |= add_images_checked(acc, grads[q] + at, m, bound);
+    if (bad != 0) {
+      for (int q = 0; q < ranks; ++q) {
+        const size_t i = exact_check(grads[q] + at, m, limit);
+        if (i != m) return {q, at + i, grads[q][at + i]};
+      }
+    }
+    for (int q = 0; sums != nullptr && q < ranks; ++q) {
+      if (sums[q] != nullptr) add_ints(acc, sums[q] + at, m);
+    }
+    exact_to_float(acc, out + at, m, divisor);
+  }
+  return {};
 }
 
 uint64_t bits_checksum(const float* g, size_t n) {

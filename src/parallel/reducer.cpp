@@ -269,9 +269,9 @@ void Reducer::finish() {
   Impl& d = *impl_;
   const int world = d.group.size();
   // Parameters without a gradient in this step contribute zeros; then every bucket starts,
-  // in order. (Exact sums: a parameter without a gradient added nothing.)
+  // in order.
   for (Bucket& b : d.buckets) {
-    if (b.launched || b.pending == 0 || d.exact != nullptr) continue;
+    if (b.launched || b.pending == 0) continue;
     float* g = d.grad_data(b);
     for (size_t i = 0; i < b.params.size(); ++i) {
       const size_t k = b.params[i];

@@ -11,6 +11,7 @@
 //   CompressedAllReduceSync  ZeRO 0, a codec, error feedback                     sync_compressed.cpp
 //   CompressedZeroSync       ZeRO 1/2, a codec, error feedback                   sync_compressed.cpp
 //   PowerSgdSync             ZeRO 0, low-rank factors after backward             sync_powersgd.cpp
+//   ExactSync                --deterministic: integer sums, shared or i64        sync_exact.cpp
 //
 // Every call of a Group method that is asynchronous, compressed or on shared memory is in one
 // of these files, once.
@@ -134,40 +135,56 @@ class ZeroSync : public SyncStrategy {
   void count_volume(const Bucket& b);
 };
 
-/// --deterministic (exact.h): each micro-batch's gradients are added into per-bucket 64-bit
-/// fixed-point sums (add()); after the step's last micro-batch, reduce_all() sums them over the
-/// ranks as integers (all_reduce, ZeRO: reduce_scatter into this rank's piece) and converts the
-/// sum / micro_batches once into the grad slots (ZeRO: piece_grad). Layout-independent bits.
+/// --deterministic (exact.h, sync_exact.cpp): a rank's micro-batches but the last are added into
+/// per-bucket 64-bit fixed-point sums (add()); the last one's gradients are marked ready into the
+/// buckets as usual. After it, reduce_all() sums both over the ranks as integers and converts
+/// the sum / micro_batches once into the grad slots (ZeRO: piece_grad): layout-independent bits.
+/// On one host the ranks' gradients and sums are shared and reduced in place, in one pass that
+/// also checks the last micro-batch's range.
 class ExactSync : public ZeroSync {
  public:
-  /// share_memory: the sums live in memory the ranks on this host map, reduced in place
-  /// (all_reduce_shared / reduce_scatter_shared on i64) when the group can and /dev/shm has room.
+  /// share_memory: the gradients and sums live in memory the ranks on this host map, reduced in
+  /// place when the group can and /dev/shm has room.
   ExactSync(SyncContext context, int64_t micro_batches, bool share_memory);
   void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override;
   comm::Work start(Bucket& b) override;
   bool per_bucket() const override { return false; }
   void reduce_all(std::vector<Bucket>& buckets) override;
+  void end_step(std::vector<Bucket>& buckets) override;
   void gather(std::vector<Bucket>& buckets) override;
   bool shares_memory() const override { return shared_.valid(); }
   bool shares_values() const override { return values_shared_; }
-  /// Adds `n` gradient elements at `offset` of bucket b; returns exact_add's answer (n: in range).
+  /// Adds `n` gradient elements of a micro-batch that is not this rank's last of the step at
+  /// `offset` of bucket b; returns exact_add's answer (n: in range).
   size_t add(const Bucket& b, size_t offset, const float* gradient, size_t n);
   int64_t micro_batches() const { return micro_batches_; }
 
  private:
+  void reduce_shared(std::vector<Bucket>& buckets);
+  void reduce_heap(std::vector<Bucket>& buckets);
+  float* gradients_of(size_t rank) const;
+  int64_t* sums_of(size_t rank) const;
+  int64_t* flag_of(size_t rank) const;
+  /// The error for rank `rank`'s gradient element `element` (of all buckets' elements).
+  [[noreturn]] void throw_out_of_range(const std::vector<Bucket>& buckets, size_t element, int rank, float value) const;
+
   int64_t micro_batches_;
   double limit_;
-  int64_t* sums(size_t bucket) { return sums_base_ + sum_at_[bucket]; }
-
   bool share_memory_;
-  comm::SharedMemory shared_;                 // valid: every rank's sums, `stride_` bytes apart
-  size_t stride_ = 0;                         // bytes of one rank's sums (all buckets)
-  size_t sums_offset_ = 0;                    // where rank 0's sums start in shared_ (after the values)
+  comm::SharedMemory shared_;                 // valid: every rank's gradients and sums, `stride_` bytes apart
+  size_t elements_ = 0;                       // elements of all buckets, each padded and aligned
+  std::vector<size_t> at_;                    // bucket -> its element offset in the gradients and sums
+  size_t stride_ = 0;                         // bytes of one rank's part of shared_
+  size_t values_bytes_ = 0;                   // ZeRO 1 on shared memory: the values before the ranks' parts
+  size_t sums_bytes_ = 0;                     // bytes of one rank's sums in shared_ (0: none)
   bool values_shared_ = false;                // ZeRO 1: the values are one copy in shared_ (as SharedZeroSync)
   std::vector<int64_t> own_;                  // this rank's sums on the heap (not shared)
-  int64_t* sums_base_ = nullptr;              // this rank's sums, all buckets
-  std::vector<size_t> sum_at_;                // bucket -> element offset of its sums (padded, aligned)
-  std::vector<std::vector<int64_t>> pieces_;  // ZeRO: per bucket, this rank's piece of the sums
+  int64_t* sums_base_ = nullptr;              // this rank's sums, all buckets (null: none)
+  bool folded_ = false;                       // this step added a micro-batch into the sums
+  bool stale_ = false;                        // shared: the sums hold the last step's (zeroed before the next add)
+  int64_t step_ = 0;                          // steps reduced (the reducer's step + 1 while reducing)
+  std::vector<std::string> names_;            // parameter names, for errors
+  std::vector<std::vector<int64_t>> pieces_;  // heap ZeRO: per bucket, this rank's piece of the sums
 };
 
 /// The shared-memory strategy for ZeRO 0 (all_reduce in the slots) or 1 (one copy of the

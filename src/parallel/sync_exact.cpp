@@ -1,12 +1,28 @@
 // ExactSync: --deterministic data parallelism (see sync.h, exact.h and docs/determinism.md). The
-// buckets keep their f32 layout for the optimizer; beside each, a padded int64 buffer holds the
-// fixed-point sum of this rank's micro-batch gradients, and the step's one collective adds those
-// sums over the ranks as integers (the comm layer's i64 sum), so every layout gets the same bits.
+// buckets keep their f32 layout for the optimizer. A step's micro-batches on this rank but the
+// last are added into a padded int64 buffer of fixed-point sums (add()); the last one stays in the
+// buckets' f32 gradients (the reducer's mark_ready, as without --deterministic). Integer addition
+// is associative, so every way of adding the images gives the same bits:
+// - shared memory (one host): every rank's f32 gradients and sums lie in memory all ranks map;
+//   after a barrier each rank reduces its slice (ZeRO 0) or piece (ZeRO 1/2) straight from every
+//   rank's gradients and sums (exact_reduce: image, integer sum, float, in one pass) and writes the
+//   floats (ZeRO 0: into every rank's gradients, then a second barrier). The memory traffic is the
+//   f32 path's, plus the sums' when a rank has more than one micro-batch per step;
+// - otherwise: the last micro-batch's gradients are added into the sums too, and the comm layer's
+//   int64 all_reduce (ZeRO 1/2: reduce_scatter into this rank's piece) adds them over the ranks.
+//
+// Shared layout, each rank's part `stride_` bytes, after the values of every bucket (ZeRO 1):
+//   [gradients: elements_ floats][sums: elements_ int64, if a rank has several micro-batches][flag]
+// A bucket sits at the same element offset at_[b] in the gradients and the sums (64-byte aligned);
+// the flag (one int64 in a 64-byte line) says whether this step's sums of that rank hold anything.
+#include <fmt/format.h>
 #include <sys/statvfs.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
+#include "dtrain/comm/copy.h"
 #include "dtrain/core/error.h"
 #include "dtrain/parallel/exact.h"
 #include "sync.h"
@@ -25,6 +41,12 @@ bool shm_has_room(comm::Group& group, size_t bytes) {
   return room != 0;
 }
 
+constexpr size_t kAlign = 16;    // elements: 64 bytes of floats
+constexpr size_t kBlock = 4096;  // elements reduced, then copied into the other ranks' gradients, while cached
+constexpr size_t kFlagBytes = 64;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 }  // namespace
 
 ExactSync::ExactSync(SyncContext context, int64_t micro_batches, bool share_memory)
@@ -34,37 +56,36 @@ ExactSync::ExactSync(SyncContext context, int64_t micro_batches, bool share_memo
       share_memory_(share_memory) {}
 
 void ExactSync::place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) {
-  // Every bucket's sums, 64-byte aligned, one after the other; with ZeRO 1 on one host the
-  // values too (one copy for the host, as the shared ZeRO 1 strategy keeps them).
-  size_t elements = 0, value_floats = 0;
-  std::vector<size_t> value_at;
+  for (const ReducerParam& p : params) names_.push_back(p.name);
+  elements_ = 0;
   for (const Bucket& b : buckets) {
-    sum_at_.push_back(elements);
-    elements += (b.padded + 7) / 8 * 8;
-    value_at.push_back(value_floats);
-    value_floats += (b.padded + 15) / 16 * 16;
+    at_.push_back(elements_);
+    elements_ += round_up(b.padded, kAlign);
   }
-  stride_ = std::max<size_t>(64, elements * sizeof(int64_t));
   const size_t world = ctx_.world();
   const bool can = share_memory_ && world > 1 && comm::can_share_memory(ctx_.group);
+  // On shared memory only a rank with several micro-batches per step keeps sums.
+  const bool sums_needed = micro_batches_ > static_cast<int64_t>(world);
   values_shared_ = can && ctx_.zero == 1;
-  sums_offset_ = values_shared_ ? value_floats * sizeof(float) : 0;
-  if (can && shm_has_room(ctx_.group, sums_offset_ + stride_ * world)) {
-    shared_ = comm::allocate_shared(ctx_.group, sums_offset_ + stride_ * world);
-    sums_base_ =
-        reinterpret_cast<int64_t*>(shared_.data() + sums_offset_ + static_cast<size_t>(ctx_.group.rank()) * stride_);
+  values_bytes_ = values_shared_ ? elements_ * sizeof(float) : 0;
+  sums_bytes_ = sums_needed ? elements_ * sizeof(int64_t) : 0;
+  stride_ = elements_ * sizeof(float) + sums_bytes_ + kFlagBytes;
+  if (can && shm_has_room(ctx_.group, values_bytes_ + stride_ * world)) {
+    shared_ = comm::allocate_shared(ctx_.group, values_bytes_ + stride_ * world);
+    const size_t rank = static_cast<size_t>(ctx_.group.rank());
+    for (Bucket& b : buckets) b.grad = Floats(shared_.keep_alive(), gradients_of(rank) + at_[b.index]);
+    sums_base_ = sums_needed ? sums_of(rank) : nullptr;
   } else {
     values_shared_ = false;
-    sums_offset_ = 0;
-    own_.assign(stride_ / sizeof(int64_t), 0);
+    values_bytes_ = 0;
+    own_.assign(elements_, 0);
     sums_base_ = own_.data();
   }
   if (values_shared_) {
     const bool lead = ctx_.group.rank() == 0;
     for (Bucket& b : buckets) {
-      b.values = Floats(shared_.keep_alive(), reinterpret_cast<float*>(shared_.data()) + value_at[b.index]);
+      b.values = Floats(shared_.keep_alive(), reinterpret_cast<float*>(shared_.data()) + at_[b.index]);
       if (lead) copy_values_in(b, params);  // rank 0's values become the host's copy
-      b.grad = zeroed_floats(ctx_.allocate, b.padded);
       b.piece_grad = zeroed_floats(ctx_.allocate, ctx_.piece_of(b));
     }
     ctx_.group.barrier();  // rank 0's values are in place before anyone reads them
@@ -75,9 +96,22 @@ void ExactSync::place(std::vector<Bucket>& buckets, const std::vector<ReducerPar
   } else {
     ZeroSync::place(buckets, params);
   }
-  if (ctx_.zero > 0) {
+  if (ctx_.zero > 0 && !shared_.valid()) {
     for (const Bucket& b : buckets) pieces_.emplace_back(ctx_.piece_of(b), 0);
   }
+}
+
+float* ExactSync::gradients_of(size_t rank) const {
+  return reinterpret_cast<float*>(shared_.data() + values_bytes_ + rank * stride_);
+}
+
+int64_t* ExactSync::sums_of(size_t rank) const {
+  return reinterpret_cast<int64_t*>(shared_.data() + values_bytes_ + rank * stride_ + elements_ * sizeof(float));
+}
+
+int64_t* ExactSync::flag_of(size_t rank) const {
+  return reinterpret_cast<int64_t*>(shared_.data() + values_bytes_ + rank * stride_ + elements_ * sizeof(float) +
+                                    sums_bytes_);
 }
 
 void ExactSync::gather(std::vector<Bucket>& buckets) {
@@ -88,42 +122,147 @@ void ExactSync::gather(std::vector<Bucket>& buckets) {
   }
 }
 
+void ExactSync::end_step(std::vector<Bucket>& buckets) {
+  if (!shared_.valid()) ZeroSync::end_step(buckets);  // ZeRO 2 on the heap frees the gradients
+}
+
 comm::Work ExactSync::start(Bucket& b) {
   DT_THROW("ddp", "--deterministic: bucket {} cannot start alone: the exact sums travel after the last micro-batch",
            b.index);
 }
 
 size_t ExactSync::add(const Bucket& b, size_t offset, const float* gradient, size_t n) {
-  return exact_add(sums(b.index) + offset, gradient, n, limit_);
+  DT_CHECK(sums_base_ != nullptr, "ddp",
+           "--deterministic: a rank added a second micro-batch in a step of {} micro-batches over {} ranks (one "
+           "each): call set_sync(false) only before the backward of a micro-batch that is not a rank's last",
+           micro_batches_, ctx_.world());
+  if (stale_) {
+    // The peers read the last step's sums until they were past a collective that follows it.
+    std::memset(sums_base_, 0, elements_ * sizeof(int64_t));
+    stale_ = false;
+  }
+  folded_ = true;
+  return exact_add(sums_base_ + at_[b.index] + offset, gradient, n, limit_);
 }
 
 void ExactSync::reduce_all(std::vector<Bucket>& buckets) {
+  ++step_;
+  if (shared_.valid()) {
+    reduce_shared(buckets);
+  } else {
+    reduce_heap(buckets);
+  }
+}
+
+void ExactSync::throw_out_of_range(const std::vector<Bucket>& buckets, size_t element, int rank, float value) const {
+  for (const Bucket& b : buckets) {
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const size_t begin = at_[b.index] + b.offsets[i];
+      const size_t end = i + 1 < b.offsets.size() ? at_[b.index] + b.offsets[i + 1] : at_[b.index] + b.count;
+      if (element >= begin && element < end) {
+        throw_exact_range(names_[b.params[i]], value, step_, rank, micro_batches_);
+      }
+    }
+  }
+  throw_exact_range(fmt::format("(bucket padding at element {})", element), value, step_, rank, micro_batches_);
+}
+
+void ExactSync::reduce_shared(std::vector<Bucket>& buckets) {
+  const size_t world = ctx_.world(), rank = static_cast<size_t>(ctx_.group.rank());
+  *flag_of(rank) = folded_ ? 1 : 0;
+  ctx_.group.barrier();  // every rank's gradients, sums and flag are written
+  std::vector<const float*> grads(world);
+  std::vector<const int64_t*> sums(world);
+  bool any_sums = false;
+  for (size_t q = 0; q < world; ++q) any_sums |= *flag_of(q) != 0;
+  // Rank q's gradients and sums from element `at` on.
+  auto point = [&](size_t at) {
+    for (size_t q = 0; q < world; ++q) {
+      grads[q] = gradients_of(q) + at;
+      sums[q] = *flag_of(q) != 0 ? sums_of(q) + at : nullptr;
+    }
+  };
+  const uint64_t sum_bytes = any_sums ? sizeof(int64_t) : 0;
+  ExactOutOfRange bad;  // the first element out of range in this rank's slice or pieces
+  if (ctx_.zero == 0) {
+    // Slice `rank` of all buckets' elements; the padding holds zeros and stays so.
+    const size_t per = round_up((elements_ + world - 1) / world, kAlign);
+    const size_t lo = std::min(elements_, rank * per), hi = std::min(elements_, lo + per);
+    float* mine = gradients_of(rank);
+    for (size_t at = lo; at < hi && bad.rank < 0; at += kBlock) {
+      const size_t n = std::min(kBlock, hi - at);
+      point(at);
+      bad = exact_reduce(mine + at, grads.data(), sums.data(), static_cast<int>(world), n, micro_batches_, limit_);
+      bad.index += at;
+      if (bad.rank >= 0) break;
+      for (size_t k = 1; k < world; ++k) {
+        const size_t q = (rank + k) % world;
+        comm::copy_bytes(gradients_of(q) + at, mine + at, n * sizeof(float));
+      }
+    }
+    for (const Bucket& b : buckets) {
+      volume_.wire_bytes += 2 * b.count * (sizeof(float) + sum_bytes) * (world - 1) / world;
+      volume_.raw_bytes += 2 * b.count * sizeof(float) * (world - 1) / world;
+    }
+  } else {
+    // This rank's piece of every bucket into piece_grad.
+    for (Bucket& b : buckets) {
+      if (bad.rank >= 0) break;
+      const size_t piece = ctx_.piece_of(b);
+      point(at_[b.index] + rank * piece);
+      bad = exact_reduce(b.piece_grad.get(), grads.data(), sums.data(), static_cast<int>(world), piece, micro_batches_,
+                         limit_);
+      bad.index += at_[b.index] + rank * piece;
+      volume_.wire_bytes += b.padded * (sizeof(float) + sum_bytes) * (world - 1) / world;
+      volume_.raw_bytes += b.padded * sizeof(float) * (world - 1) / world;
+    }
+  }
+  // Did any rank meet a gradient element out of range? The smallest (element, rank) wins, so
+  // every rank names the same one. This collective also ends the reads of the peers' gradients
+  // and sums and (ZeRO 0) the writes into them: each rank writes its own again after it.
+  const int64_t none = std::numeric_limits<int64_t>::max();
+  int64_t first = bad.rank >= 0 ? static_cast<int64_t>(bad.index * world) + bad.rank : none;
+  ctx_.group.all_reduce(&first, &first, 1, comm::DataType::i64, comm::ReduceOp::min);
+  stale_ = folded_;
+  folded_ = false;
+  if (first != none) {
+    // The value, from the rank that found it.
+    uint32_t bits = 0;
+    if (bad.rank >= 0 && static_cast<int64_t>(bad.index * world) + bad.rank == first) {
+      std::memcpy(&bits, &bad.value, sizeof(bits));
+    }
+    int64_t value = bits;
+    ctx_.group.all_reduce(&value, &value, 1, comm::DataType::i64, comm::ReduceOp::max);
+    bits = static_cast<uint32_t>(value);
+    float v = 0.0f;
+    std::memcpy(&v, &bits, sizeof(v));
+    throw_out_of_range(buckets, static_cast<size_t>(first) / world, static_cast<int>(first % world), v);
+  }
+}
+
+void ExactSync::reduce_heap(std::vector<Bucket>& buckets) {
   std::vector<comm::Work> works;
   const uint64_t world = ctx_.world();
   for (Bucket& b : buckets) {
-    int64_t* sum = sums(b.index);
-    const size_t at = sums_offset_ + sum_at_[b.index] * sizeof(int64_t);
+    int64_t* sum = sums_base_ + at_[b.index];
+    // The last micro-batch's gradients (zeros where none) join the sums.
+    const size_t at = exact_add(sum, b.grad.get(), b.count, limit_);
+    if (at != b.count) throw_out_of_range(buckets, at_[b.index] + at, ctx_.group.rank(), b.grad.get()[at]);
     if (ctx_.zero == 0) {
-      works.push_back(shared_.valid()
-                          ? comm::all_reduce_shared_async(ctx_.group, shared_, at, stride_, b.count,
-                                                          comm::DataType::i64, comm::ReduceOp::sum)
-                          : ctx_.group.all_reduce_async(sum, sum, b.count, comm::DataType::i64, comm::ReduceOp::sum));
+      works.push_back(ctx_.group.all_reduce_async(sum, sum, b.count, comm::DataType::i64, comm::ReduceOp::sum));
       volume_.wire_bytes += 2 * b.count * sizeof(int64_t) * (world - 1) / world;
       volume_.raw_bytes += 2 * b.count * sizeof(float) * (world - 1) / world;
     } else {
       int64_t* piece = pieces_[b.index].data();
-      works.push_back(shared_.valid()
-                          ? comm::reduce_scatter_shared_async(ctx_.group, shared_, at, stride_, piece, ctx_.piece_of(b),
-                                                              comm::DataType::i64, comm::ReduceOp::sum)
-                          : ctx_.group.reduce_scatter_async(sum, piece, ctx_.piece_of(b), comm::DataType::i64,
-                                                            comm::ReduceOp::sum));
+      works.push_back(
+          ctx_.group.reduce_scatter_async(sum, piece, ctx_.piece_of(b), comm::DataType::i64, comm::ReduceOp::sum));
       volume_.wire_bytes += b.padded * sizeof(int64_t) * (world - 1) / world;
       volume_.raw_bytes += b.padded * sizeof(float) * (world - 1) / world;
     }
   }
   for (comm::Work& w : works) w.wait();
   for (Bucket& b : buckets) {
-    int64_t* sum = sums(b.index);
+    int64_t* sum = sums_base_ + at_[b.index];
     if (ctx_.zero == 0) {
       exact_to_float(sum, b.grad.get(), b.count, micro_batches_);
     } else {
@@ -133,6 +272,7 @@ void ExactSync::reduce_all(std::vector<Bucket>& buckets) {
     }
     std::memset(sum, 0, b.padded * sizeof(int64_t));
   }
+  folded_ = false;
 }
 
 }  // namespace dtrain::parallel

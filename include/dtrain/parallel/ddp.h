@@ -142,7 +142,9 @@ class DataParallel {
   void set_sync(bool on);
 
   /// --deterministic: adds the model's gradients of one micro-batch to the exact sums and drops
-  /// them (the next micro-batch is computed from scratch). Local.
+  /// them (the next micro-batch is computed from scratch). Local. With sync on (the rank's last
+  /// micro-batch of the step) they stay in the buckets until synchronize(), and a backward before
+  /// it (an audit's) writes its gradients elsewhere.
   void add_micro_batch();
   bool deterministic() const;
 

@@ -37,8 +37,29 @@ double exact_limit(int64_t micro_batches);
 /// added then).
 size_t exact_add(int64_t* acc, const float* g, size_t n, double limit);
 
+/// The index of the first of g[0..n) that is not finite or not below `limit` in magnitude, or n.
+size_t exact_check(const float* g, size_t n, double limit);
+
 /// out[i] = float(acc[i] x 2^-F / divisor).
 void exact_to_float(const int64_t* acc, float* out, size_t n, int64_t divisor);
+
+/// Where exact_reduce met a gradient element out of range: rank q's element `index` (of n).
+struct ExactOutOfRange {
+  int rank = -1;  // -1: none
+  size_t index = 0;
+  float value = 0.0f;
+};
+
+/// The exact sum of several ranks' contributions in one pass, for i < n:
+///   out[i] = float((sum over q of round(grads[q][i] x 2^F) + sum over q of sums[q][i]) x 2^-F / divisor)
+/// where grads[q] is rank q's last micro-batch gradient and sums[q] its fixed-point sum of the
+/// earlier ones (sums, or any sums[q], may be null: none). The same bits as exact_add of every
+/// term followed by exact_to_float. Checks every grads element against `limit` on the way
+/// (exact_check): at the first one out of range it stops and returns it (out is then partly
+/// written). `out` may be one of the grads (each block is read before it is written); nothing
+/// else may overlap.
+ExactOutOfRange exact_reduce(float* out, const float* const* grads, const int64_t* const* sums, int ranks, size_t n,
+                             int64_t divisor, double limit);
 
 /// A checksum of the bits of `n` floats that changes whenever one bit of one of them does
 /// (sum of bits[i] x (2i + 1) mod 2^64): --audit compares gradients with it.

@@ -99,9 +99,10 @@ struct ReducerOptions {
   bool share_memory = true;    // ZeRO 0/1, every rank on one host: the buckets in memory the ranks share
   Compression compression;     // compressed collectives with error feedback, or PowerSGD (ZeRO 0)
   uint64_t seed = 0;           // PowerSGD: the initial Q (the same on every rank)
-  /// --deterministic (exact.h): gradients added per micro-batch with add_exact() in 64-bit fixed
-  /// point and summed over the ranks as integers in finish(); the result is sum / exact_micro_batches
-  /// (the step's micro-batches over all ranks). No compression, no shared memory, no overlap.
+  /// --deterministic (exact.h): a rank's micro-batches but the last added with add_exact() in 64-bit
+  /// fixed point, the last one marked ready as usual, all summed over the ranks as integers in
+  /// finish(); the result is sum / exact_micro_batches (the step's micro-batches over all ranks).
+  /// No compression, no overlap.
   bool exact = false;
   int64_t exact_micro_batches = 1;
   /// Allocates `bytes` (64-byte aligned) for a buffer of the reducer; empty: the heap.
@@ -154,9 +155,10 @@ class Reducer {
   /// (contiguous, the parameter's dtype), or is null when it has none (an error). Starts
   /// the buckets that can start. Throws when k was already ready in this step.
   void mark_ready(size_t k, const void* gradient);
-  /// --deterministic: adds one micro-batch's gradient of parameter k (contiguous f32) to the
-  /// exact sums. Throws naming the parameter, the step and this rank when an element is out of
-  /// the fixed-point range or not finite.
+  /// --deterministic: adds the gradient of parameter k (contiguous f32) of a micro-batch that is
+  /// not this rank's last of the step to the exact sums (the last one: mark_ready). Both throw
+  /// naming the parameter, the step and this rank when an element is out of the fixed-point
+  /// range or not finite.
   void add_exact(size_t k, const float* gradient);
   /// Collective, after the synchronising backward: see above. Throws a clear error when the
   /// ranks ran different numbers of backward passes (some none), and CommError when a
