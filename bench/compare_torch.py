@@ -97,17 +97,20 @@ def job_args(job, a, seed):
             "--seed", str(seed)]
 
 
-def run_dtrain(job, a, seed, log):
+def train_final(dtrain, args, log):
+    """`dtrain train ARGS`: its final metrics record, with wait4's peak RSS and the wall time."""
     with tempfile.TemporaryDirectory() as d:
         metrics = os.path.join(d, "metrics.jsonl")
-        cmd = [a.dtrain, "train"] + job_args(job, a, seed) + ["--progress=false", "--metrics", metrics]
-        cmd += a.dtrain_args.split()
-        _, rss, wall = run(cmd, log)
+        _, rss, wall = run([dtrain, "train"] + args + ["--progress=false", "--metrics", metrics], log)
         with open(metrics) as f:
             rec = last_json(f.read())
     assert rec.get("event") == "final", rec
     rec["wait4_peak_rss_bytes"], rec["wall_s"] = rss, wall
     return rec
+
+
+def run_dtrain(job, a, seed, log):
+    return train_final(a.dtrain, job_args(job, a, seed) + a.dtrain_args.split(), log)
 
 
 def run_torch(job, a, seed, log):

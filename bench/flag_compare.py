@@ -9,11 +9,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import compare_torch  # bench/, next to this script
-from compare_torch import fmt, last_json, run, summary
+from compare_torch import fmt, summary, train_final
 
 
 def parse(doc, repeats, out_name):
@@ -48,15 +47,7 @@ def job_args(job, a, seed):
 
 def train(a, job, flag, value, seed, log):
     """One run of `job` with `flag value`: its final metrics record, with wait4's peak RSS and the wall time."""
-    with tempfile.TemporaryDirectory() as d:
-        metrics = os.path.join(d, "metrics.jsonl")
-        cmd = [a.dtrain, "train"] + job_args(job, a, seed) + [flag, value, "--progress=false", "--metrics", metrics]
-        _, rss, wall = run(cmd, log)
-        with open(metrics) as f:
-            rec = last_json(f.read())
-    assert rec.get("event") == "final", rec
-    rec["wait4_peak_rss_bytes"], rec["wall_s"] = rss, wall
-    return rec
+    return train_final(a.dtrain, job_args(job, a, seed) + [flag, value], log)
 
 
 def alternate(a, jobs, flag, values, log):
