@@ -78,10 +78,10 @@ struct DataParallel::Impl {
   comm::Group& group() const { return reducer->group(); }
 
   // Gradient as bucket view: linear layers write their gradients straight into the buckets
-  // (ZeRO 2 frees its full-size buffers between steps, so it keeps copying). Off: backward
-  // writes new tensors.
+  // (ZeRO 2 and 3 free their full-size buffers between steps, so they keep copying). Off:
+  // backward writes new tensors.
   void set_grad_homes(bool on) {
-    if (options.zero == 2) return;
+    if (options.zero >= 2) return;
     for (size_t k = 0; k < params.size(); ++k) {
       Tensor& t = params[k].second;
       t.set_grad_home(on ? view_of(reducer->grad(k), t.shape()) : Tensor());
