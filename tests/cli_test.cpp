@@ -511,27 +511,12 @@ TEST_F(Cli, ACheckpointResumesInAnotherLayoutAndAShrunkWorldGoesOn) {
   const std::string mlp = "train --model mlp --hidden 64,64 --batch-size 48 --optimizer sgd --lr 0.05 --progress=false";
   ProcessResult ref = dtrain(mlp + " --dp 4 --steps 12 --save " + path("ref.dtm"));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  struct Case {
-    std::string from, to, written_by;
-  };
-  const std::vector<Case> cases = {{"--dp 4", "--dp 2", "dp 4 x pp 1, zero 0"},
-                                   {"--dp 2", "--dp 4", "dp 2 x pp 1, zero 0"},
-                                   {"--dp 4 --zero 1", "--dp 2 --pp 2 --micro-batches 2", "dp 4 x pp 1, zero 1"},
-                                   {"--dp 2 --pp 2 --micro-batches 2", "--dp 4 --zero 1", "dp 2 x pp 2, zero 0"},
-                                   // One bucket per parameter: as many ZeRO pieces as parameters.
-                                   {"--dp 2 --zero 1 --bucket-mb 0.0002", "--dp 4", "dp 2 x pp 1, zero 1"}};
-  for (size_t i = 0; i < cases.size(); ++i) {
-    const std::string dir = path("r" + std::to_string(i)), out = path("r" + std::to_string(i) + ".dtm");
-    ProcessResult a =
-        dtrain(mlp + " " + cases[i].from + " --steps 8 --checkpoint-dir " + dir + " --checkpoint-every 4");
-    ASSERT_EQ(a.code, 0) << a.output;
-    ProcessResult b = dtrain(mlp + " " + cases[i].to + " --steps 12 --checkpoint-dir " + dir + " --save " + out);
-    ASSERT_EQ(b.code, 0) << b.output;
-    EXPECT_NE(b.output.find("8 steps done (written by " + cases[i].written_by + ")"), std::string::npos)
-        << cases[i].from << " -> " << cases[i].to << ": " << b.output;
-    ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + out);
-    EXPECT_EQ(d.code, 0) << cases[i].from << " -> " << cases[i].to << ": " << d.output;
-  }
+  expect_resumes_across_layouts(mlp, {{"--dp 4", "--dp 2", "dp 4 x pp 1, zero 0"},
+                                      {"--dp 2", "--dp 4", "dp 2 x pp 1, zero 0"},
+                                      {"--dp 4 --zero 1", "--dp 2 --pp 2 --micro-batches 2", "dp 4 x pp 1, zero 1"},
+                                      {"--dp 2 --pp 2 --micro-batches 2", "--dp 4 --zero 1", "dp 2 x pp 2, zero 0"},
+                                      // One bucket per parameter: as many ZeRO pieces as parameters.
+                                      {"--dp 2 --zero 1 --bucket-mb 0.0002", "--dp 4", "dp 2 x pp 1, zero 1"}});
   // Elastic: rank 3 dies on every start; after two starts in a row the launcher goes on with 3
   // workers, which resume the dp 4 checkpoint as 3 replicas with the same global batch.
   ::setenv("DTRAIN_FAULT", "kill:rank=3:step=6:attempt=any", 1);

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 // An unnamed namespace, as before these moved here: the helper `dtrain()` shares its name with
 // the library's namespace, which only an inner scope can hide.
@@ -115,6 +116,28 @@ class CliTest : public ::testing::Test {
     for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
     write("corpus.txt", text);
     return path("corpus.txt");
+  }
+  // Checkpoint moves: the SGD MLP run 8 steps in layout `from` (checkpoints every 4), resumed in
+  // layout `to` up to step 12, must say which layout wrote it and end within 1e-5 of
+  // path("ref.dtm"), the uninterrupted run's model (the caller trains it).
+  struct LayoutMove {
+    std::string from, to, written_by;
+  };
+  void expect_resumes_across_layouts(const std::string& mlp, const std::vector<LayoutMove>& cases,
+                                     int limit_s = 240) const {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const std::string dir = path("r" + std::to_string(i)), out = path("r" + std::to_string(i) + ".dtm");
+      ProcessResult a =
+          dtrain(mlp + " " + cases[i].from + " --steps 8 --checkpoint-dir " + dir + " --checkpoint-every 4", limit_s);
+      ASSERT_EQ(a.code, 0) << a.output;
+      ProcessResult b =
+          dtrain(mlp + " " + cases[i].to + " --steps 12 --checkpoint-dir " + dir + " --save " + out, limit_s);
+      ASSERT_EQ(b.code, 0) << b.output;
+      EXPECT_NE(b.output.find("8 steps done (written by " + cases[i].written_by + ")"), std::string::npos)
+          << cases[i].from << " -> " << cases[i].to << ": " << b.output;
+      ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + out);
+      EXPECT_EQ(d.code, 0) << cases[i].from << " -> " << cases[i].to << ": " << d.output;
+    }
   }
   nlohmann::json final_record(const std::string& metrics) const {
     std::ifstream in(path(metrics));

@@ -96,24 +96,11 @@ TEST_F(Zero3, CheckpointsMoveBetweenZeroThreeAndOtherLayouts) {
   const std::string mlp = "train --model mlp --hidden 64,64 --batch-size 48 --optimizer sgd --lr 0.05 --progress=false";
   ProcessResult ref = dtrain(mlp + " --dp 4 --steps 12 --save " + path("ref.dtm"));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  struct Case {
-    std::string from, to, written_by;
-  };
-  const std::vector<Case> cases = {{"--dp 4 --zero 3", "--dp 2", "dp 4 x pp 1, zero 3"},
-                                   {"--dp 2 --zero 3", "--dp 4 --zero 1", "dp 2 x pp 1, zero 3"},
-                                   {"--dp 2 --pp 2 --micro-batches 2", "--dp 3 --zero 3", "dp 2 x pp 2, zero 0"}};
-  for (size_t i = 0; i < cases.size(); ++i) {
-    const std::string dir = path("r" + std::to_string(i)), out = path("r" + std::to_string(i) + ".dtm");
-    ProcessResult a =
-        dtrain(mlp + " " + cases[i].from + " --steps 8 --checkpoint-dir " + dir + " --checkpoint-every 4", 300);
-    ASSERT_EQ(a.code, 0) << a.output;
-    ProcessResult b = dtrain(mlp + " " + cases[i].to + " --steps 12 --checkpoint-dir " + dir + " --save " + out, 300);
-    ASSERT_EQ(b.code, 0) << b.output;
-    EXPECT_NE(b.output.find("8 steps done (written by " + cases[i].written_by + ")"), std::string::npos)
-        << cases[i].from << " -> " << cases[i].to << ": " << b.output;
-    ProcessResult d = dtrain("diff --tol 1e-5 --quiet " + path("ref.dtm") + " " + out);
-    EXPECT_EQ(d.code, 0) << cases[i].from << " -> " << cases[i].to << ": " << d.output;
-  }
+  expect_resumes_across_layouts(mlp,
+                                {{"--dp 4 --zero 3", "--dp 2", "dp 4 x pp 1, zero 3"},
+                                 {"--dp 2 --zero 3", "--dp 4 --zero 1", "dp 2 x pp 1, zero 3"},
+                                 {"--dp 2 --pp 2 --micro-batches 2", "--dp 3 --zero 3", "dp 2 x pp 2, zero 0"}},
+                                300);
 }
 
 // Memory: parameters, gradients and optimizer state per rank are 1/N of one process's (+5%) on 2
