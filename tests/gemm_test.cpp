@@ -268,6 +268,63 @@ struct PrecisionGuard {
   ~PrecisionGuard() { set_matmul_precision(saved); }
 };
 
+// The linear layer's product with its bias (sgemm_bias, gemm_bf16_bias) on each library and with
+// bf16 products: every element within the summation bound of the exact product plus the bias
+// (a bias fused into oneDNN's matmul, or C filled with it and the product added), every
+// transpose, K = 0 (C is the bias) and the MLP's and GPT's shapes.
+TEST(Gemm, WithBiasEachRouteIsTheProductPlusTheBias) {
+  PolicyGuard guard;
+  const double u = std::ldexp(1.0, -24);
+  for (const Precision precision : {Precision::f32, Precision::bf16}) {
+    PrecisionGuard p(precision);
+    const bool bf16 = precision == Precision::bf16;
+    auto operand = [bf16](float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; };
+    for (GemmBackend lib : libraries()) {
+      set_gemm_backend(lib);
+      for (const Case& c : std::vector<Case>{{false, true, 64, 1024, 784},
+                                             {false, true, 200, 384, 128},
+                                             {false, false, 33, 47, 10},
+                                             {true, false, 5, 7, 3},
+                                             {true, true, 1, 1, 1},
+                                             {false, true, 6, 5, 0}}) {
+        const int64_t lda = c.ta ? c.m : c.k, ldb = c.tb ? c.k : c.n;
+        Generator gen(static_cast<uint64_t>(c.m * 13 + c.n * 5 + c.k + 1));
+        const std::vector<float> a = Tensor::randn({std::max<int64_t>(1, c.m * c.k)}, gen).to_vector();
+        const std::vector<float> b = Tensor::randn({std::max<int64_t>(1, c.k * c.n)}, gen).to_vector();
+        const std::vector<float> bias = Tensor::randn({c.n}, gen).to_vector();
+        std::vector<float> out(static_cast<size_t>(c.m * c.n), std::nanf(""));
+        if (bf16) {
+          std::vector<uint16_t> a16(a.size()), b16(b.size());
+          for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
+          for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+          gemm_bf16_bias(c.ta, c.tb, c.m, c.n, c.k, a16.data(), lda, b16.data(), ldb, bias.data(), out.data());
+        } else {
+          sgemm_bias(c.ta, c.tb, c.m, c.n, c.k, a.data(), lda, b.data(), ldb, bias.data(), out.data());
+        }
+        const double gamma = static_cast<double>(c.k + 1) * u / (1.0 - static_cast<double>(c.k + 1) * u);
+        int wrong = 0;
+        for (int64_t i = 0; i < c.m; ++i) {
+          for (int64_t j = 0; j < c.n; ++j) {
+            double exact = bias[static_cast<size_t>(j)], magnitude = std::fabs(exact);
+            for (int64_t q = 0; q < c.k; ++q) {
+              const double x = operand(a[static_cast<size_t>(c.ta ? q * lda + i : i * lda + q)]);
+              const double y = operand(b[static_cast<size_t>(c.tb ? j * ldb + q : q * ldb + j)]);
+              exact += x * y;
+              magnitude += std::fabs(x * y);
+            }
+            const double got = out[static_cast<size_t>(i * c.n + j)];
+            if (!(std::fabs(got - exact) <= (gamma + 3 * u) * magnitude + 1e-30) && ++wrong <= 3) {
+              ADD_FAILURE() << gemm_backend_name(lib) << (bf16 ? " bf16 " : " f32 ") << describe(c) << ": C[" << i
+                            << "][" << j << "] = " << got << ", reference " << exact;
+            }
+          }
+        }
+        EXPECT_EQ(wrong, 0) << gemm_backend_name(lib) << (bf16 ? " bf16 " : " f32 ") << describe(c);
+      }
+    }
+  }
+}
+
 // With bf16 products every element is within the f32-summation bound of the product of the
 // operands rounded to bf16 (check_case's reference rounds them): the operands are bf16, the sums
 // f32. Against the unrounded operands that is within (2^-7 + 2^-16 + gamma_K) sum |a b|.

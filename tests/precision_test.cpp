@@ -81,6 +81,13 @@ TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
                     {randn({3, 20, 36}, 4), randn({3, 36, 28}, 5)});
   expect_bf16_close("causal_attention", [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
                     {randn({2, 24, 96}, 6)});
+  // The same in causal blocks of 10 rows (24 = 10 + 10 + 4).
+  const int64_t saved = ops::attention_block_rows();
+  ops::set_attention_block_rows(10);
+  expect_bf16_close("causal_attention in blocks",
+                    [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
+                    {randn({2, 24, 96}, 6)});
+  ops::set_attention_block_rows(saved);
 }
 
 // A whole GPT: its loss and the gradient of every parameter.

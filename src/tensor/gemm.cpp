@@ -28,6 +28,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -362,16 +363,22 @@ void sgemm_on(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_
 
 namespace detail {
 
+GemmBackend library_for(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                        const float* a, int64_t lda, const float* b, int64_t ldb) {
+  if (library != GemmBackend::automatic) return library;
+  library = current_policy();
+  if (library != GemmBackend::automatic) return library;
+  return onednn_available() ? auto_choice(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb) : GemmBackend::openblas;
+}
+
 void run_f32_library(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                      const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (library == GemmBackend::automatic) {
-    library = current_policy();
-    if (library == GemmBackend::automatic) {
-      library =
-          onednn_available() ? auto_choice(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb) : GemmBackend::openblas;
-    }
-  }
+  library = library_for(library, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb);
   run_library(library, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void fill_rows(const float* bias, int64_t m, int64_t n, float* c) {
+  for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * n, bias, static_cast<size_t>(n) * sizeof(float));
 }
 
 int apply_omp_threads() {
@@ -406,6 +413,50 @@ bool bf16_products_native() { return detail::bf16_products_native(); }
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   sgemm_on(GemmBackend::automatic, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                const float* b, int64_t ldb, const float* bias, float* c) {
+  profile::Scope scope(profile::Kind::matmul);
+  if (m == 0 || n == 0) return;
+  if (k == 0 || matmul_precision() == Precision::bf16) {
+    detail::fill_rows(bias, m, n, c);
+    sgemm_on(GemmBackend::automatic, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
+    return;
+  }
+  if (!product_to_run("sgemm_bias", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, c, n)) return;
+  const GemmBackend library =
+      detail::library_for(GemmBackend::automatic, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb);
+#if DTRAIN_HAVE_ONEDNN
+  if (library == GemmBackend::onednn) {
+    detail::MatmulShape s;
+    s.ta = trans_a, s.tb = trans_b, s.m = m, s.n = n, s.k = k, s.lda = lda, s.ldb = ldb, s.ldc = n, s.bias = true;
+    detail::run_matmul(s, a, b, bias, c);
+    return;
+  }
+#endif
+  detail::fill_rows(bias, m, n, c);
+  run_library(library, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
+}
+
+void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
+                    const uint16_t* b, int64_t ldb, const float* bias, float* c) {
+  profile::Scope scope(profile::Kind::matmul);
+  if (m == 0 || n == 0) return;
+  const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
+#if DTRAIN_HAVE_ONEDNN
+  if (k > 0 && dense && detail::bf16_products_native() &&
+      product_to_run("gemm_bf16_bias", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, c, n)) {
+    detail::MatmulShape s;
+    s.bf16 = true;
+    s.ta = trans_a, s.tb = trans_b, s.m = m, s.n = n, s.k = k, s.lda = lda, s.ldb = ldb, s.ldc = n, s.bias = true;
+    detail::run_matmul(s, a, b, bias, c);
+    return;
+  }
+#endif
+  (void)dense;
+  detail::fill_rows(bias, m, n, c);
+  gemm_bf16(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
 }
 
 GemmBackend gemm_backend_for(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {

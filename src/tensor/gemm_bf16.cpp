@@ -12,16 +12,7 @@
 // rather than a slow emulation of the instructions.
 #include <fmt/format.h>
 
-#if DTRAIN_HAVE_ONEDNN
-#include <omp.h>
-
-#include <oneapi/dnnl/dnnl.hpp>
-#endif
-
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <vector>
 
 #include "dtrain/core/error.h"
@@ -34,66 +25,13 @@ namespace dtrain::detail {
 namespace {
 
 #if DTRAIN_HAVE_ONEDNN
-using dnnl::memory;
-
-dnnl::engine& cpu_engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  return engine;
-}
-
-// (trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, threads)
-using PrimitiveKey =
-    std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, int>;
-
-struct Primitives {
-  std::mutex mu;
-  std::map<PrimitiveKey, dnnl::matmul> built;
-};
-
-Primitives& primitives() {
-  static Primitives p;
-  return p;
-}
-
-uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-
-// op(A) (M, K) from A stored (M, K) with row stride lda, or (K, M) when trans_a; likewise op(B)
-// (K, N) from B; C (M, N) with row stride ldc.
-memory::desc operand(int64_t rows, int64_t cols, bool trans, int64_t ld) {
-  return memory::desc({rows, cols}, memory::data_type::bf16, trans ? memory::dims{1, ld} : memory::dims{ld, 1});
-}
-
-memory::desc result(int64_t m, int64_t n, int64_t ldc) {
-  return memory::desc({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
-}
-
-dnnl::matmul::primitive_desc describe(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                                      int64_t ldc, float alpha, float beta) {
-  const memory::desc a = operand(m, k, ta, lda), b = operand(k, n, tb, ldb), c = result(m, n, ldc);
-  dnnl::primitive_attr attr;
-  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
-  if (beta != 0.0f) {
-    dnnl::post_ops ops;
-    ops.append_sum(beta);
-    attr.set_post_ops(ops);
-  }
-  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
-}
-
-dnnl::matmul& primitive_for(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-                            float alpha, float beta, int threads) {
-  Primitives& p = primitives();
-  const PrimitiveKey key{ta, tb, m, n, k, lda, ldb, ldc, bits(alpha), bits(beta), threads};
-  std::lock_guard<std::mutex> lock(p.mu);
-  auto it = p.built.find(key);
-  if (it == p.built.end()) {
-    it = p.built.emplace(key, dnnl::matmul(describe(ta, tb, m, n, k, lda, ldb, ldc, alpha, beta))).first;
-  }
-  return it->second;
+MatmulShape bf16_shape(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                       float alpha, float beta) {
+  MatmulShape s;
+  s.bf16 = true;
+  s.ta = ta, s.tb = tb, s.m = m, s.n = n, s.k = k, s.lda = lda, s.ldb = ldb, s.ldc = ldc, s.alpha = alpha,
+  s.beta = beta;
+  return s;
 }
 
 // oneDNN runs bf16 matmuls natively from AVX512_BF16 up (AMX included); below that it would
@@ -116,7 +54,8 @@ const Route& route() {
 #if DTRAIN_HAVE_ONEDNN
     if (onednn_has_bf16()) {
       try {
-        const std::string impl = describe(false, true, 64, 64, 64, 64, 64, 64, 1.0f, 0.0f).impl_info_str();
+        const std::string impl =
+            describe_matmul(bf16_shape(false, true, 64, 64, 64, 64, 64, 64, 1.0f, 0.0f)).impl_info_str();
         out.native = impl.rfind("ref", 0) != 0;
         out.description = fmt::format("bf16 products: oneDNN's matmul ({}, kernel {})", onednn_isa(), impl);
         why = fmt::format("oneDNN offers only a reference kernel ({})", impl);
@@ -190,21 +129,7 @@ void gemm_bf16_operands(GemmBackend f32_library, bool ta, bool tb, int64_t m, in
       for (int64_t r = 0; r < m; ++r) std::memcpy(dense_c + r * n, c + r * ldc, static_cast<size_t>(n) * 4);
     }
   }
-  const int threads = apply_omp_threads();
-  dnnl::matmul& prim = primitive_for(ta, tb, m, n, k, lda, ldb, n, alpha, beta, threads);
-  thread_local dnnl::stream stream(cpu_engine());
-  // oneDNN takes the handles as void*; it only reads the operands.
-  auto* av = const_cast<uint16_t*>(a);
-  auto* bv = const_cast<uint16_t*>(b);
-  try {
-    prim.execute(stream, {{DNNL_ARG_SRC, memory(operand(m, k, ta, lda), cpu_engine(), av)},
-                          {DNNL_ARG_WEIGHTS, memory(operand(k, n, tb, ldb), cpu_engine(), bv)},
-                          {DNNL_ARG_DST, memory(result(m, n, n), cpu_engine(), dense_c)}});
-    stream.wait();
-  } catch (const dnnl::error& e) {
-    DT_THROW("tensor", "bf16 product on oneDNN failed on M {} N {} K {} trans {}{}: {}", m, n, k, ta ? 'T' : 'N',
-             tb ? 'T' : 'N', e.what());
-  }
+  run_matmul(bf16_shape(ta, tb, m, n, k, lda, ldb, n, alpha, beta), a, b, nullptr, dense_c);
   if (dense_c != c) {
     for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, dense_c + r * n, static_cast<size_t>(n) * 4);
   }

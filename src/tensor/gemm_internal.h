@@ -4,6 +4,10 @@
 #include <cstdint>
 #include <string>
 
+#if DTRAIN_HAVE_ONEDNN
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
 #include "dtrain/tensor/gemm.h"
 
 namespace dtrain::detail {
@@ -12,6 +16,13 @@ namespace dtrain::detail {
 /// already checked by sgemm_on.
 void run_f32_library(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                      const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+/// The library that runs an f32 product: `library`, or for automatic the policy's (calibrating
+/// the shape on first use under auto).
+GemmBackend library_for(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                        const float* a, int64_t lda, const float* b, int64_t ldb);
+/// Every one of the M rows of C (M, N), dense, set to the N values of `bias`.
+void fill_rows(const float* bias, int64_t m, int64_t n, float* c);
 
 /// Gives the calling thread's OpenMP runtime (oneDNN's) the count set_num_threads set, if any;
 /// returns the count oneDNN will use on this thread.
@@ -27,5 +38,22 @@ void gemm_bf16_operands(GemmBackend f32_library, bool trans_a, bool trans_b, int
                         float* c, int64_t ldc);
 bool bf16_products_native();
 const std::string& bf16_products_route();
+
+#if DTRAIN_HAVE_ONEDNN
+/// One product on oneDNN's matmul primitive (gemm_matmul.cpp): C (M, N) = alpha op(A) op(B)
+/// [+ bias on every row] + beta C, operands f32 or bf16 in sgemm's layout, C f32.
+struct MatmulShape {
+  bool bf16 = false;  // operands in bf16 (C stays f32)
+  bool ta = false, tb = false;
+  int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  float alpha = 1.0f, beta = 0.0f;
+  bool bias = false;  // N f32 values added to every row of C
+};
+dnnl::engine& onednn_engine();
+/// The primitive's description (built and kept by run_matmul; also asked what kernel it runs).
+dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& shape);
+/// Runs the product on the primitive kept for `shape` and the calling thread's thread count.
+void run_matmul(const MatmulShape& shape, const void* a, const void* b, const float* bias, float* c);
+#endif
 
 }  // namespace dtrain::detail

@@ -1,5 +1,9 @@
 // The kernels of dtrain/tensor/kernels.h compiled for the build's own flags (the CPUs with neither); CMakeLists.txt
 // gives this file its instruction-set flags.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 
 #include "dtrain/tensor/kernels.h"

@@ -7,6 +7,11 @@
 // and calls no inline function from another header: an out-of-line copy of such a function,
 // compiled with AVX-512 in one file, could be the one the linker keeps for all of them.
 //
+// Where the file is compiled with AVX-512 (__AVX512F__), GELU and the softmax's exponentials also
+// have a loop written with intrinsics (exp16: vscalefps for the power of two, which `omp simd`
+// cannot express), measured 1.8x the compiler's loop for GELU; the scalar loop does the tail.
+// The includer includes <immintrin.h> before its namespace.
+//
 // Not a header to include anywhere else (no include guard on purpose).
 
 namespace {
@@ -34,12 +39,39 @@ inline float exp_v(float x) {
   return p * scale;
 }
 
-inline float tanh_v(float x) {
-  const float t = 1.0f - 2.0f / (exp_v(2.0f * __builtin_fabsf(x)) + 1.0f);
-  return __builtin_copysignf(t, x);
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+
+#if defined(__AVX512F__)
+// exp_v on 16 lanes: the same clamp, reduction and polynomial, the power of two applied by
+// vscalefps instead of building it from the exponent bits. A NaN stays NaN (max and min return
+// their second operand when one is NaN: x is passed second).
+inline __m512 exp16(__m512 x) {
+  // The masked forms with every lane set: GCC 12's unmasked ones pass an undefined vector that
+  // -Wmaybe-uninitialized reports.
+  constexpr __mmask16 all = 0xffff;
+  x = _mm512_mask_max_ps(x, all, _mm512_set1_ps(-87.0f), x);
+  x = _mm512_mask_min_ps(x, all, _mm512_set1_ps(88.0f), x);
+  const __m512 xl = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_mask_roundscale_ps(xl, all, xl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_mask_scalef_ps(p, all, p, n);
 }
 
-constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+// The logistic s = 1 / (1 + e^(-2u)) of GELU's tanh form at v, u = sqrt(2/pi) (v + 0.044715 v^3).
+inline __m512 gelu_s16(__m512 v) {
+  const __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), v), _mm512_mul_ps(v, v), v);
+  const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f * kGeluC), t));
+  return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
 
 inline uint16_t bf16_of(float f) {
   uint32_t u;
@@ -66,8 +98,23 @@ float row_max(const float* x, int64_t n) {
 // y = exp(x - mx); returns the sum of y.
 float exp_shifted(const float* x, float* y, int64_t n, float mx) {
   float sum = 0.0f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    const __m512 shift = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), shift));
+      _mm512_storeu_ps(y + i, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc);
+    for (float lane : lanes) sum += lane;
+  }
+#endif
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = i; j < n; ++j) {
     const float e = exp_v(x[j] - mx);
     y[j] = e;
     sum += e;
@@ -188,23 +235,47 @@ void cross_entropy_backward(const float* probs, const int32_t* targets, float sc
   }
 }
 
+// GELU's tanh form through the logistic function: 0.5 x (1 + tanh(u)) = x s with s = 1 / (1 + e^(-2u)),
+// u = sqrt(2/pi) (x + 0.044715 x^3); one exp and one division per element.
+// Gradient: s + 2 x s (1 - s) du/dx, the tanh form's 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx.
 void gelu_forward(const float* __restrict x, float* __restrict y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(v, gelu_s16(v)));
+  }
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
+  for (int64_t j = i; j < n; ++j) {
+    const float v = x[j];
     const float u = kGeluC * (v + 0.044715f * v * v * v);
-    y[i] = 0.5f * v * (1.0f + tanh_v(u));
+    y[j] = v / (1.0f + exp_v(-2.0f * u));
   }
 }
 
 void gelu_backward(const float* __restrict x, const float* __restrict g, float* __restrict gx, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 sv = gelu_s16(v);
+    const __m512 du = _mm512_mul_ps(_mm512_set1_ps(kGeluC),
+                                    _mm512_fmadd_ps(_mm512_set1_ps(3.0f * 0.044715f), _mm512_mul_ps(v, v), one));
+    // s + 2 v s (1 - s) du
+    const __m512 d = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f), v), sv),
+                                     _mm512_mul_ps(_mm512_sub_ps(one, sv), du), sv);
+    _mm512_storeu_ps(gx + i, _mm512_mul_ps(_mm512_loadu_ps(g + i), d));
+  }
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
+  for (int64_t j = i; j < n; ++j) {
+    const float v = x[j];
     const float u = kGeluC * (v + 0.044715f * v * v * v);
-    const float t = tanh_v(u);
+    const float s = 1.0f / (1.0f + exp_v(-2.0f * u));
     const float du = kGeluC * (1.0f + 3.0f * 0.044715f * v * v);
-    gx[i] = g[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    gx[j] = g[j] * (s + 2.0f * v * s * (1.0f - s) * du);
   }
 }
 

@@ -186,21 +186,23 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
   Tensor w = weight.detach().contiguous();
   Tensor out = Tensor::empty({m, out_f});
   float* po = out.data();
-  float beta = 0.0f;
-  if (bias.defined()) {
-    Tensor bc = bias.detach().contiguous();
-    const float* pb = bc.data();
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t j = 0; j < out_f; ++j) po[r * out_f + j] = pb[j];
-    }
-    beta = 1.0f;
-  }
-  if (matmul_precision() == Precision::bf16) {
+  const bool bf16 = matmul_precision() == Precision::bf16;
+  if (bf16) {
     x = x.to(DType::bf16);
     w = w.to(DType::bf16);
-    gemm_bf16_packed(false, true, m, out_f, in, x, w, beta, po);
+  }
+  const int64_t lx = std::max<int64_t>(1, in);
+  if (bias.defined()) {  // the bias added by the product itself (gemm.h's sgemm_bias)
+    Tensor bc = bias.detach().contiguous();
+    if (bf16) {
+      gemm_bf16_bias(false, true, m, out_f, in, bf16_bits(x), lx, bf16_bits(w), lx, bc.data(), po);
+    } else {
+      sgemm_bias(false, true, m, out_f, in, x.data(), lx, w.data(), lx, bc.data(), po);
+    }
+  } else if (bf16) {
+    gemm_bf16_packed(false, true, m, out_f, in, x, w, 0.0f, po);
   } else {
-    gemm(false, true, m, out_f, in, 1.0f, x.data(), w.data(), beta, po);
+    gemm(false, true, m, out_f, in, 1.0f, x.data(), w.data(), 0.0f, po);
   }
   Shape out_shape = x_in.shape();
   out_shape.back() = out_f;

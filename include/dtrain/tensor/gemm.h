@@ -55,6 +55,12 @@ void set_gemm_backend(GemmBackend backend);
 /// never reads C. Runs on the library the policy picks for this shape.
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+/// The linear layer's product: C (M, N) = op(A) op(B) + bias, the N values of `bias` added to
+/// every row of C (dense: ldc = N). Where the shape runs on oneDNN, its matmul primitive adds the
+/// bias as it writes C (one pass over C); elsewhere C is filled with the bias and the product
+/// added to it (beta 1). The two differ in the last bits, like the two libraries.
+void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                const float* b, int64_t ldb, const float* bias, float* c);
 /// The same product on one named library (automatic: as sgemm), whatever the policy.
 void sgemm_on(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
               const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
@@ -92,6 +98,9 @@ Precision matmul_precision();
 /// operand in several products (linear's input, weight and output gradient), rounded once.
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
                const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
+/// gemm_bf16 with a bias, as sgemm_bias: C (M, N), dense, = op(A) op(B) + bias on every row.
+void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
+                    const uint16_t* b, int64_t ldb, const float* bias, float* c);
 /// What bf16 products run on here, or what they fall back to and why, for logs and reports.
 std::string bf16_products_route();
 /// Whether bf16 products run on bf16 instructions (false: the fallback).

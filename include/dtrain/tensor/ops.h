@@ -55,6 +55,10 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, flo
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 /// Fused causal self-attention: qkv (B, T, 3C) laid out [q | k | v], n_head heads -> (B, T, C).
 Tensor causal_attention(const Tensor& qkv, int64_t n_head);
+/// Rows per causal block of causal_attention (64): its products skip the masked part block by
+/// block. Settable for tests (small blocks on small inputs); not thread-safe.
+int64_t attention_block_rows();
+void set_attention_block_rows(int64_t rows);
 /// Zeroes elements with probability p and scales the rest by 1/(1-p); identity if !training.
 Tensor dropout(const Tensor& a, float p, bool training, Generator& gen);
 

@@ -1,0 +1,106 @@
+// oneDNN's matmul primitive, for the products that the BLAS-like dnnl_sgemm cannot express: bf16
+// operands (gemm_bf16.cpp) and a bias added in the kernel's epilogue (gemm.h's sgemm_bias).
+//
+// A primitive is built once per (operand type, shape, strides, alpha, beta, bias, threads) and
+// kept for the life of the process; building one takes far longer than running it.
+#include "gemm_internal.h"
+
+#if DTRAIN_HAVE_ONEDNN
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::detail {
+
+namespace {
+
+using dnnl::memory;
+
+// (bf16 operands, trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, bias, threads)
+using PrimitiveKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t,
+                                uint32_t, bool, int>;
+
+struct Primitives {
+  std::mutex mu;
+  std::map<PrimitiveKey, dnnl::matmul> built;
+};
+
+Primitives& primitives() {
+  static Primitives p;
+  return p;
+}
+
+uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+memory::data_type operand_type(bool bf16) { return bf16 ? memory::data_type::bf16 : memory::data_type::f32; }
+
+}  // namespace
+
+dnnl::engine& onednn_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+memory::desc matmul_operand(bool bf16, int64_t rows, int64_t cols, bool trans, int64_t ld) {
+  return memory::desc({rows, cols}, operand_type(bf16), trans ? memory::dims{1, ld} : memory::dims{ld, 1});
+}
+
+memory::desc matmul_result(int64_t m, int64_t n, int64_t ldc) {
+  return memory::desc({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
+}
+
+memory::desc matmul_bias(int64_t n) { return memory::desc({1, n}, memory::data_type::f32, memory::dims{n, 1}); }
+
+dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& s) {
+  const memory::desc a = matmul_operand(s.bf16, s.m, s.k, s.ta, s.lda);
+  const memory::desc b = matmul_operand(s.bf16, s.k, s.n, s.tb, s.ldb);
+  const memory::desc c = matmul_result(s.m, s.n, s.ldc);
+  dnnl::primitive_attr attr;
+  if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
+  if (s.beta != 0.0f) {
+    dnnl::post_ops ops;
+    ops.append_sum(s.beta);
+    attr.set_post_ops(ops);
+  }
+  if (s.bias) return {dnnl::matmul::desc(a, b, matmul_bias(s.n), c), attr, onednn_engine()};
+  return {dnnl::matmul::desc(a, b, c), attr, onednn_engine()};
+}
+
+void run_matmul(const MatmulShape& s, const void* a, const void* b, const float* bias, float* c) {
+  const int threads = apply_omp_threads();
+  Primitives& p = primitives();
+  const PrimitiveKey key{s.bf16, s.ta,         s.tb,         s.m,    s.n,    s.k,    s.lda,
+                         s.ldb,  s.ldc,        bits(s.alpha), bits(s.beta), s.bias, threads};
+  dnnl::matmul* prim = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    auto it = p.built.find(key);
+    if (it == p.built.end()) it = p.built.emplace(key, dnnl::matmul(describe_matmul(s))).first;
+    prim = &it->second;
+  }
+  thread_local dnnl::stream stream(onednn_engine());
+  // oneDNN takes the handles as void*; it only reads the operands and the bias.
+  std::unordered_map<int, memory> args{
+      {DNNL_ARG_SRC, memory(matmul_operand(s.bf16, s.m, s.k, s.ta, s.lda), onednn_engine(), const_cast<void*>(a))},
+      {DNNL_ARG_WEIGHTS, memory(matmul_operand(s.bf16, s.k, s.n, s.tb, s.ldb), onednn_engine(), const_cast<void*>(b))},
+      {DNNL_ARG_DST, memory(matmul_result(s.m, s.n, s.ldc), onednn_engine(), c)}};
+  if (s.bias) args.emplace(DNNL_ARG_BIAS, memory(matmul_bias(s.n), onednn_engine(), const_cast<float*>(bias)));
+  try {
+    prim->execute(stream, args);
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    DT_THROW("tensor", "{} product on oneDNN's matmul failed on M {} N {} K {} trans {}{}: {}", s.bf16 ? "bf16" : "f32",
+             s.m, s.n, s.k, s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', e.what());
+  }
+}
+
+}  // namespace dtrain::detail
+#endif
