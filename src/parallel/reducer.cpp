@@ -81,7 +81,7 @@ std::unique_ptr<SyncStrategy> choose_sync(const SyncContext& context, const Redu
     return make_powersgd_sync(context, c.powersgd_rank, o.seed, params);
   }
   if (c.codec != comm::Codec::none) return make_compressed_sync(context, c.codec);
-  if (o.share_memory && o.zero < 2 && context.world() > 1) {
+  if (o.share_memory && o.zero != 2 && context.world() > 1) {
     if (auto shared = make_shared_sync(context, buckets)) return shared;
   }
   if (o.zero == 0) return std::make_unique<AllReduceSync>(context);
