@@ -285,21 +285,28 @@ TEST(DataParallel, ZeroOneAndTwoEqualPlainDdpWithAQuarterOfTheOptimizerState) {
 // equals one process accumulating the same micro-batches bit for bit (2 and 4 ranks: the sums run
 // in rank order and 1/world is exact), SGD the whole batch within 1e-5 after 50 steps on 2, 3
 // and 4 ranks, with --accumulate too; every rank holds 1/world of the state (+5%) between steps.
+// Both ways a rank holds its pieces: slices of the host's one shared copy (share_memory, nothing
+// gathered) and on the heap, gathered around each block's use.
 TEST(DataParallel, ZeroThreeEqualsOneProcess) {
   for (int world : {2, 4}) {
+    RunOptions single;
+    single.accumulate = world;
+    single.hidden = {256, 64};
+    train(single);
     for (size_t bucket : {size_t{1024}, size_t{1} << 20}) {
-      RunOptions single;
-      single.accumulate = world;
-      single.hidden = {256, 64};
-      train(single);
-      RunOptions z;
-      z.world = world;
-      z.zero = 3;
-      z.hidden = {256, 64};
-      z.bucket_bytes = bucket;
-      train(z);
-      EXPECT_EQ(single.final_params[0], z.final_params[0]) << "world " << world << ", bucket " << bucket;
-      for (int r = 1; r < world; ++r) EXPECT_EQ(z.final_params[0], z.final_params[static_cast<size_t>(r)]);
+      for (bool share : {true, false}) {
+        RunOptions z;
+        z.world = world;
+        z.zero = 3;
+        z.hidden = {256, 64};
+        z.bucket_bytes = bucket;
+        z.share_memory = share;
+        train(z);
+        EXPECT_EQ(z.shared_params, share) << "world " << world;
+        EXPECT_EQ(single.final_params[0], z.final_params[0])
+            << "world " << world << ", bucket " << bucket << ", shared " << share;
+        for (int r = 1; r < world; ++r) EXPECT_EQ(z.final_params[0], z.final_params[static_cast<size_t>(r)]);
+      }
     }
   }
   RunOptions single;
@@ -332,6 +339,7 @@ TEST(DataParallel, ZeroThreeHoldsAQuarterOfTheStateBetweenSteps) {
   z.world = 4;
   z.zero = 3;
   z.hidden = {256, 64};
+  z.share_memory = false;  // the pieces on the heap too, gathered around each block
   train(z);
   EXPECT_EQ(plain.final_params[0], z.final_params[0]);
   // The allocator agrees: the four ranks together hold what one plain rank does (+5%).
@@ -350,6 +358,25 @@ TEST(DataParallel, ZeroThreeHoldsAQuarterOfTheStateBetweenSteps) {
     EXPECT_GT(z.gathered_peak[static_cast<size_t>(r)], 0);
     EXPECT_LE(static_cast<double>(z.gathered_peak[static_cast<size_t>(r)]), two_blocks * 1.05) << "rank " << r;
     EXPECT_LT(z.gathered_peak[static_cast<size_t>(r)], full.param_bytes) << "rank " << r;
+  }
+  // One host sharing memory: the pieces are slices of one copy of the parameters for the four
+  // ranks, so nothing is gathered, and the heap holds 1/4 of the gradients and state per rank.
+  RunOptions shared = z;
+  shared.share_memory = true;
+  train(shared);
+  ASSERT_TRUE(shared.shared_params);
+  EXPECT_EQ(plain.final_params[0], shared.final_params[0]);
+  const int64_t params_per_rank = full.param_bytes / 4;
+  // The allocator sees the heap; the shared copy is one rank's parameters for all four.
+  EXPECT_GT(shared.live_bytes, 0);
+  EXPECT_LE(static_cast<double>(shared.live_bytes + full.param_bytes), static_cast<double>(plain.live_bytes) / 4 * 1.05)
+      << "ZeRO 3 on shared memory: " << shared.live_bytes << " heap bytes on 4 ranks, plain " << plain.live_bytes;
+  for (int r = 0; r < 4; ++r) {
+    const MemoryReport& m = shared.memory[static_cast<size_t>(r)];
+    EXPECT_LE(static_cast<double>(m.param_bytes + m.grad_bytes + m.optimizer_bytes), total / 4 * 1.05) << "rank " << r;
+    EXPECT_GE(m.param_bytes, params_per_rank) << "rank " << r;
+    EXPECT_LE(static_cast<double>(m.param_bytes), params_per_rank * 1.05) << "rank " << r;
+    EXPECT_EQ(shared.gathered_peak[static_cast<size_t>(r)], 0) << "rank " << r;
   }
 }
 

@@ -1,4 +1,5 @@
-// --zero 3 end to end: parameters sharded over the data-parallel ranks and gathered per block.
+// --zero 3 end to end: parameters sharded over the data-parallel ranks (on one host, slices of one
+// shared copy; else gathered per block).
 // The same math as one process on every layout it composes with, checkpoints that move between
 // ZeRO-3 and the other layouts, the memory it reports and counts, and the combinations it
 // refuses by name.
@@ -36,6 +37,11 @@ TEST_F(Zero3, EqualsOneProcessOnEveryLayout) {
     ASSERT_EQ(z.code, 0) << z.output;
     EXPECT_EQ(digest("z" + tag + ".jsonl"), digest("acc" + tag + ".jsonl")) << "dp " << n;
   }
+  // The pieces on the heap, gathered around each block (as across hosts), instead of slices of
+  // the host's one shared copy: the same bits.
+  ProcessResult heap = dtrain(mlp + " --dp 2 --zero 3 --share-memory=false --metrics " + path("heap.jsonl"), 300);
+  ASSERT_EQ(heap.code, 0) << heap.output;
+  EXPECT_EQ(digest("heap.jsonl"), digest("acc2.jsonl"));
   // With the state offloaded to disk, and with gradient clipping (the norm over the pieces): the
   // same bits too.
   ProcessResult off =
@@ -115,18 +121,30 @@ TEST_F(Zero3, HoldsOneNthOfTheStateAndTrainsWhatZeroTwoCannot) {
   const nlohmann::json p = final_record("plain.jsonl");
   const double total = p["param_bytes_per_rank"].get<double>() + p["grad_bytes_per_rank"].get<double>() +
                        p["optimizer_bytes_per_rank"].get<double>();
-  for (int n : {2, 4}) {
-    const std::string m = "z" + std::to_string(n) + ".jsonl";
-    ProcessResult z = dtrain(gpt + " --dp " + std::to_string(n) + " --zero 3 --metrics " + path(m), 300);
-    ASSERT_EQ(z.code, 0) << z.output;
-    const nlohmann::json f = final_record(m);
-    const double mine = f["param_bytes_per_rank"].get<double>() + f["grad_bytes_per_rank"].get<double>() +
-                        f["optimizer_bytes_per_rank"].get<double>();
-    EXPECT_LE(mine, total / n * 1.05) << "dp " << n;
-    EXPECT_LE(f["state_bytes_per_rank"].get<double>(), total / n * 1.05) << "dp " << n;
-    // The transient part: whole blocks while they run, less than the whole model.
-    EXPECT_GT(f["gathered_param_peak_bytes"].get<double>(), 0.0);
-    EXPECT_LT(f["gathered_param_peak_bytes"].get<double>(), p["param_bytes_per_rank"].get<double>()) << "dp " << n;
+  // On one host the pieces are slices of one shared copy of the parameters (1/N of it per
+  // rank, nothing gathered); with --share-memory=false they are on the heap, gathered per block.
+  for (bool share : {true, false}) {
+    for (int n : {2, 4}) {
+      const std::string m = "z" + std::to_string(n) + (share ? "s" : "h") + ".jsonl";
+      ProcessResult z = dtrain(gpt + " --dp " + std::to_string(n) +
+                                   " --zero 3 --share-memory=" + (share ? "true" : "false") + " --metrics " + path(m),
+                               300);
+      ASSERT_EQ(z.code, 0) << z.output;
+      const nlohmann::json f = final_record(m);
+      const double mine = f["param_bytes_per_rank"].get<double>() + f["grad_bytes_per_rank"].get<double>() +
+                          f["optimizer_bytes_per_rank"].get<double>();
+      EXPECT_LE(mine, total / n * 1.05) << "dp " << n << ", shared " << share;
+      EXPECT_LE(f["state_bytes_per_rank"].get<double>(), total / n * 1.05) << "dp " << n << ", shared " << share;
+      EXPECT_LE(f["param_bytes_per_rank"].get<double>(), p["param_bytes_per_rank"].get<double>() / n * 1.05)
+          << "dp " << n << ", shared " << share;
+      if (share) {
+        EXPECT_EQ(f["gathered_param_peak_bytes"].get<double>(), 0.0) << "dp " << n;
+        continue;
+      }
+      // The transient part: whole blocks while they run, less than the whole model.
+      EXPECT_GT(f["gathered_param_peak_bytes"].get<double>(), 0.0);
+      EXPECT_LT(f["gathered_param_peak_bytes"].get<double>(), p["param_bytes_per_rank"].get<double>()) << "dp " << n;
+    }
   }
   // Between ZeRO 2's estimate on 4 processes and ZeRO 3's.
   const std::string limit = " --memory-limit " + std::to_string(static_cast<int64_t>(total / 4 * 1.3));

@@ -299,7 +299,14 @@ DataParallel::DataParallel(std::vector<nn::NamedTensor> params, comm::Group grou
       for (size_t b : d.units[u].buckets) d.units[u].bytes += reducer.bucket_padded(b) * sizeof(float);
     }
   }
-  if (options.zero > 0 && options.zero < 3) {
+  if (options.zero == 3 && reducer.shares_values()) {
+    // One host: the buckets' values are the host's one copy, each rank's piece a slice of it,
+    // always whole. The parameters live there for good (as under ZeRO 1), nothing is gathered
+    // around the blocks, and gather_parameters() is the barrier after the pieces' updates.
+    d.units.clear();
+    d.block_unit.clear();
+  }
+  if ((options.zero > 0 && options.zero < 3) || (options.zero == 3 && reducer.shares_values())) {
     // The parameters move into the buckets' values (which hold their values now); their
     // tensors keep working.
     for (size_t k = 0; k < d.params.size(); ++k) {
@@ -342,7 +349,7 @@ void DataParallel::broadcast_parameters() {
   // Shared values: every rank's tensors are rank 0's values already.
   replicate_from_rank0(d.group(), tensors, !d.reducer->shares_values(),
                        " (same --model, --hidden, --layers, --width ...)");
-  if (d.options.zero == 3) {
+  if (d.options.zero == 3 && !d.reducer->shares_values()) {
     // The parameters still hold their whole values (rank 0's now): keep this rank's pieces of
     // them, and let the rest go.
     const Reducer& reducer = *d.reducer;
@@ -465,7 +472,7 @@ void DataParallel::gather_parameters() {
 }
 
 std::shared_ptr<nn::BlockHooks> DataParallel::block_hooks() const {
-  if (impl_->options.zero != 3) return nullptr;
+  if (impl_->options.zero != 3 || impl_->units.empty()) return nullptr;  // shared values: nothing to gather
   return std::make_shared<ZeroThreeHooks>(impl_);
 }
 

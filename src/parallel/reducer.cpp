@@ -81,7 +81,7 @@ std::unique_ptr<SyncStrategy> choose_sync(const SyncContext& context, const Redu
     return make_powersgd_sync(context, c.powersgd_rank, o.seed, params);
   }
   if (c.codec != comm::Codec::none) return make_compressed_sync(context, c.codec);
-  if (o.share_memory && o.zero < 2 && context.world() > 1) {
+  if (o.share_memory && o.zero != 2 && context.world() > 1) {
     if (auto shared = make_shared_sync(context, buckets)) return shared;
   }
   if (o.zero == 0) return std::make_unique<AllReduceSync>(context);
@@ -107,7 +107,16 @@ struct Reducer::Impl {
   size_t piece_of(const Bucket& b) const { return b.padded / static_cast<size_t>(group.size()); }
 
   float* grad_data(Bucket& b) {
-    if (!b.grad) b.grad = zeroed_floats(options.allocate, b.padded);  // ZeRO 2 frees it after each step
+    if (b.grad) return b.grad.get();
+    if (options.zero == 3 && options.allocate) {
+      // ZeRO 3 allocates it each step: every parameter's slot is written before the bucket
+      // starts (its gradient in mark_ready(), or zeros in finish()), so only the padding is zeroed.
+      std::shared_ptr<void> memory = options.allocate(b.padded * sizeof(float));
+      b.grad = Floats(memory, static_cast<float*>(memory.get()));
+      std::memset(b.grad.get() + b.count, 0, (b.padded - b.count) * sizeof(float));
+      return b.grad.get();
+    }
+    b.grad = zeroed_floats(options.allocate, b.padded);  // ZeRO 2 frees it after each step
     return b.grad.get();
   }
 

@@ -7,6 +7,10 @@
 // - SharedZeroSync (ZeRO 1): the values are one copy for the host (rank 0's at the start), the
 //   reduce_scatter reads the peers' slots in place, and each rank updates its piece of the one
 //   copy, so gather() is a barrier.
+// - SharedZeroThreeSync (ZeRO 3): the values are one copy for the host as for ZeRO 1 (the
+//   allocation is only that part), each rank's piece (`own`) is its slice of it, and whole
+//   buckets are always there: a gather is nothing and gather() the barrier after the updates.
+//   The gradients take ZeRO 2's heap path (allocated for the step, reduce_scattered, freed).
 #include <sys/statvfs.h>
 
 #include "dtrain/core/log.h"
@@ -90,6 +94,35 @@ class SharedZeroSync : public ZeroSync {
   SharedLayout layout_;
 };
 
+// ZeRO 3 on one host: a rank's piece of the parameters is its slice of the host's one copy, so
+// the copy is 1/world of the parameters per rank and no all_gather is needed to make a bucket
+// whole. Gradients as ZeroSync does for ZeRO 2/3.
+class SharedZeroThreeSync : public ZeroSync {
+ public:
+  SharedZeroThreeSync(SyncContext context, SharedLayout layout)
+      : ZeroSync(std::move(context)), layout_(std::move(layout)) {}
+
+  void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override {
+    const size_t rank = static_cast<size_t>(ctx_.group.rank());
+    for (Bucket& b : buckets) {
+      b.values = layout_.floats(layout_.at[b.index] * sizeof(float));
+      b.own = Floats(b.values, b.values.get() + rank * ctx_.piece_of(b));
+      if (rank == 0) copy_values_in(b, params);  // rank 0's values become the host's copy
+      b.piece_grad = zeroed_floats(ctx_.allocate, ctx_.piece_of(b));
+    }
+    ctx_.group.barrier();  // rank 0's values are in place before anyone reads them
+  }
+
+  // Every rank updated its piece of the one copy: wait until all did.
+  void gather(std::vector<Bucket>& /*buckets*/) override { ctx_.group.barrier(); }
+
+  bool shares_memory() const override { return true; }
+  bool shares_values() const override { return true; }
+
+ private:
+  SharedLayout layout_;
+};
+
 }  // namespace
 
 std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::vector<Bucket>& buckets) {
@@ -97,9 +130,11 @@ std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::v
   // ZeRO 0 shares only where the group runs its direct collectives: a plan chosen with
   // DTRAIN_ALGO (ring, hd, ...) is what the user asked for, and the shared all_reduce is not it.
   const bool direct = group.all_reduce_algorithm(0) == comm::Algorithm::direct;
-  if (!((context.zero == 0 && direct) || context.zero == 1) || !comm::can_share_memory(group)) return nullptr;
+  if (!((context.zero == 0 && direct) || context.zero == 1 || context.zero == 3) || !comm::can_share_memory(group))
+    return nullptr;
   SharedLayout layout;
-  layout.values_too = context.zero == 1;
+  layout.values_too = context.zero == 1 || context.zero == 3;
+  const bool grads_too = context.zero < 3;  // ZeRO 3: the values only
   const size_t world = context.world();
   const size_t align = 64 / sizeof(float);
   size_t floats = 0;
@@ -108,7 +143,7 @@ std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::v
     floats += (b.padded + align - 1) / align * align;
   }
   layout.stride = floats * sizeof(float);
-  const size_t bytes = ((layout.values_too ? 1 : 0) + world) * layout.stride;
+  const size_t bytes = ((layout.values_too ? 1 : 0) + (grads_too ? world : 0)) * layout.stride;
   // Every rank must take the same path: share only if /dev/shm has room as every rank sees it
   // and every rank wants the same size (a rank with another model copies, and
   // broadcast_parameters() names the difference).
@@ -124,11 +159,15 @@ std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::v
       DT_LOG_WARN(
           "data parallel: /dev/shm has no room for the {} MiB of {} the ranks would share; copying "
           "through the collectives instead (make /dev/shm larger, e.g. docker --shm-size)",
-          bytes >> 20, layout.values_too ? "parameters and gradients" : "gradients");
+          bytes >> 20,
+          !grads_too          ? "parameters"
+          : layout.values_too ? "parameters and gradients"
+                              : "gradients");
     }
     return nullptr;
   }
   layout.memory = comm::allocate_shared(group, bytes);
+  if (context.zero == 3) return std::make_unique<SharedZeroThreeSync>(std::move(context), std::move(layout));
   if (layout.values_too) return std::make_unique<SharedZeroSync>(std::move(context), std::move(layout));
   return std::make_unique<SharedAllReduceSync>(std::move(context), std::move(layout));
 }

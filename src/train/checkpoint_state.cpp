@@ -110,6 +110,7 @@ void load_parameters(const Saved& saved, std::vector<nn::NamedTensor>& named, pa
     const std::vector<Tensor> mine = ddp->scatter_pieces(whole);
     const std::vector<Tensor> dst = ddp->optimizer_params();
     for (size_t j = 0; j < dst.size(); ++j) Tensor(dst[j]).copy_from(mine[j]);
+    if (shared) ddp->gather_parameters();  // one host: the pieces are slices of one copy; a barrier
     return;
   }
   if (shared) ddp->gather_parameters();  // in shared memory, a barrier

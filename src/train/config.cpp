@@ -73,8 +73,9 @@ std::vector<OptionSpec> option_table(TrainConfig& c) {
        "error feedback) | powersgd:RANK (low rank, error feedback)"},
       {"overlap", &c.overlap, "data parallel: start each bucket's all_reduce during backward (false: after)"},
       {"share-memory", &c.share_memory,
-       "data parallel, one host, --zero 0 or 1: gradients reduced in place in shared memory (no staging copies); "
-       "--zero 1 also keeps one copy of the parameters there"},
+       "data parallel, one host, --zero 0, 1 or 3: gradients reduced in place in shared memory (no staging "
+       "copies, --zero 0/1); --zero 1 and 3 keep one copy of the parameters there (--zero 3: each rank's piece is "
+       "its slice of it, nothing gathered)"},
       {"deterministic", &c.deterministic,
        "the same parameters bit for bit on any layout (--dp, --accumulate, --zero, --pp, elastic, transports) for "
        "the same global batch and micro-batch: gradients summed exactly in 64-bit fixed point "

@@ -62,7 +62,7 @@
 //   (no overlap); ZeRO 0 only.
 // take_comm_volume() tells how many bytes this rank sent and what f32 would have sent.
 //
-// Shared memory (options.share_memory, ZeRO 0 or 1, every rank on one host over shm, no
+// Shared memory (options.share_memory, ZeRO 0, 1 or 3, every rank on one host over shm, no
 // compression): the buckets live in memory every rank maps (comm::Group::allocate_shared).
 // Same bits as the other paths.
 // - ZeRO 0: each rank's gradients are its slot there, and each bucket is averaged with
@@ -78,6 +78,10 @@
 //   directly, so gather_parameters() is a barrier instead of an all_gather. The barrier
 //   inside synchronize() (every rank finished backward) and the one in gather_parameters()
 //   (every rank finished its update) keep writes and reads apart.
+// - ZeRO 3: the same one copy of the parameters, each rank's piece its slice of it (so 1/N of
+//   the parameters per rank, as the gathered path holds), and the blocks need no gathering:
+//   block_hooks() is null and gather_parameters() the barrier. The gradients take ZeRO 2's
+//   path (heap buckets for the step, reduce_scatter, freed).
 #pragma once
 
 #include <cstddef>
@@ -96,12 +100,12 @@ namespace dtrain::parallel {
 
 struct DdpOptions {
   size_t bucket_bytes = size_t{25} << 20;
-  int zero = 0;                   // 0: replicate everything; 1: shard optimizer state; 2: also gradients;
-                                  // 3: also parameters (gathered per block around its use, see above)
-  std::vector<size_t> units;      // ZeRO 3: each parameter's block (block_units); empty: one block
-  bool overlap = true;            // false: start every bucket in synchronize() (for measuring overlap)
-  bool record_events = false;     // keep BucketEvents for take_bucket_events() (traces)
-  bool share_memory = true;       // ZeRO 0/1 on one host: gradients (ZeRO 1: and parameters) in shared memory
+  int zero = 0;                // 0: replicate everything; 1: shard optimizer state; 2: also gradients;
+                               // 3: also parameters (gathered per block around its use, see above)
+  std::vector<size_t> units;   // ZeRO 3: each parameter's block (block_units); empty: one block
+  bool overlap = true;         // false: start every bucket in synchronize() (for measuring overlap)
+  bool record_events = false;  // keep BucketEvents for take_bucket_events() (traces)
+  bool share_memory = true;    // ZeRO 0/1/3 on one host: gradients (ZeRO 0/1), parameters (ZeRO 1/3) in shared memory
   std::string compress = "none";  // none | bf16 | fp16 | int8 | int4 | powersgd:RANK (see above)
   uint64_t seed = 0;              // powersgd: the initial Q (the same on every rank)
   /// --deterministic (exact.h): call add_micro_batch() after every micro-batch's backward; the

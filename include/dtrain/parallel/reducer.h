@@ -16,7 +16,9 @@
 // - under ZeRO 3 a rank keeps only its piece of the values between uses: gather_values(b)
 //   all-gathers bucket b's whole values into a fresh buffer (the adapter points the parameters
 //   there while a block runs) and release_values(b) frees it; the pieces are updated in place, so
-//   gather() has nothing to do. Buckets are cut at `unit` boundaries (blocks), so a block's
+//   gather() has nothing to do (on one host sharing memory the values are one copy for the host,
+//   a rank's piece is its slice of it, gather_values() is never needed and gather() is a
+//   barrier). Buckets are cut at `unit` boundaries (blocks), so a block's
 //   parameters are whole buckets;
 // - the *strategy* is the way of synchronising, picked once at construction from the options:
 //   all_reduce, all_reduce in shared memory, ZeRO reduce_scatter + all_gather (in shared
@@ -96,7 +98,7 @@ struct ReducerOptions {
                                // 3: also the values (gather_values / release_values around their use)
   bool overlap = true;         // false: start every bucket in finish() (for measuring overlap)
   bool record_events = false;  // keep BucketEvents for take_events()
-  bool share_memory = true;    // ZeRO 0/1, every rank on one host: the buckets in memory the ranks share
+  bool share_memory = true;    // ZeRO 0/1/3, every rank on one host: the buckets in memory the ranks share
   Compression compression;     // compressed collectives with error feedback, or PowerSGD (ZeRO 0)
   uint64_t seed = 0;           // PowerSGD: the initial Q (the same on every rank)
   /// --deterministic (exact.h): a rank's micro-batches but the last added with add_exact() in 64-bit
