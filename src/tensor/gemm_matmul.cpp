@@ -2,7 +2,10 @@
 // operands (gemm_bf16.cpp) and a bias added in the kernel's epilogue (gemm.h's sgemm_bias).
 //
 // A primitive is built once per (operand type, shape, strides, alpha, beta, bias, threads) and
-// kept for the life of the process; building one takes far longer than running it.
+// kept for the life of the process; building one takes far longer than running it. Threads of one
+// process (data-parallel ranks in tests, a trainer's helper threads) run the same primitive at
+// once, so each brings its own scratchpad (scratchpad_mode::user): with the library's, concurrent
+// runs of one primitive gave wrong results here (the data-parallel tests whose ranks are threads).
 #include "gemm_internal.h"
 
 #if DTRAIN_HAVE_ONEDNN
@@ -11,6 +14,7 @@
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
 #include "dtrain/core/error.h"
 
@@ -21,12 +25,17 @@ namespace {
 using dnnl::memory;
 
 // (bf16 operands, trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, bias, threads)
-using PrimitiveKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t,
-                                uint32_t, bool, int>;
+using PrimitiveKey =
+    std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, bool, int>;
+
+struct Built {
+  dnnl::matmul::primitive_desc desc;
+  dnnl::matmul primitive;
+};
 
 struct Primitives {
   std::mutex mu;
-  std::map<PrimitiveKey, dnnl::matmul> built;
+  std::map<PrimitiveKey, Built> built;
 };
 
 Primitives& primitives() {
@@ -64,6 +73,7 @@ dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& s) {
   const memory::desc b = matmul_operand(s.bf16, s.k, s.n, s.tb, s.ldb);
   const memory::desc c = matmul_result(s.m, s.n, s.ldc);
   dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
   if (s.beta != 0.0f) {
     dnnl::post_ops ops;
@@ -77,14 +87,18 @@ dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& s) {
 void run_matmul(const MatmulShape& s, const void* a, const void* b, const float* bias, float* c) {
   const int threads = apply_omp_threads();
   Primitives& p = primitives();
-  const PrimitiveKey key{s.bf16, s.ta,         s.tb,         s.m,    s.n,    s.k,    s.lda,
-                         s.ldb,  s.ldc,        bits(s.alpha), bits(s.beta), s.bias, threads};
-  dnnl::matmul* prim = nullptr;
+  const PrimitiveKey key{s.bf16, s.ta,  s.tb,          s.m,          s.n,    s.k,    s.lda,
+                         s.ldb,  s.ldc, bits(s.alpha), bits(s.beta), s.bias, threads};
+  Built* built = nullptr;
   {
     std::lock_guard<std::mutex> lock(p.mu);
     auto it = p.built.find(key);
-    if (it == p.built.end()) it = p.built.emplace(key, dnnl::matmul(describe_matmul(s))).first;
-    prim = &it->second;
+    if (it == p.built.end()) {
+      dnnl::matmul::primitive_desc desc = describe_matmul(s);
+      dnnl::matmul primitive(desc);
+      it = p.built.emplace(key, Built{std::move(desc), std::move(primitive)}).first;
+    }
+    built = &it->second;
   }
   thread_local dnnl::stream stream(onednn_engine());
   // oneDNN takes the handles as void*; it only reads the operands and the bias.
@@ -93,8 +107,12 @@ void run_matmul(const MatmulShape& s, const void* a, const void* b, const float*
       {DNNL_ARG_WEIGHTS, memory(matmul_operand(s.bf16, s.k, s.n, s.tb, s.ldb), onednn_engine(), const_cast<void*>(b))},
       {DNNL_ARG_DST, memory(matmul_result(s.m, s.n, s.ldc), onednn_engine(), c)}};
   if (s.bias) args.emplace(DNNL_ARG_BIAS, memory(matmul_bias(s.n), onednn_engine(), const_cast<float*>(bias)));
+  const memory::desc scratch_desc = built->desc.scratchpad_desc();
+  thread_local std::vector<unsigned char> scratch;
+  if (scratch.size() < scratch_desc.get_size()) scratch.resize(scratch_desc.get_size());
+  args.emplace(DNNL_ARG_SCRATCHPAD, memory(scratch_desc, onednn_engine(), scratch.data()));
   try {
-    prim->execute(stream, args);
+    built->primitive.execute(stream, args);
     stream.wait();
   } catch (const dnnl::error& e) {
     DT_THROW("tensor", "{} product on oneDNN's matmul failed on M {} N {} K {} trans {}{}: {}", s.bf16 ? "bf16" : "f32",
