@@ -256,4 +256,49 @@ TEST(ExactSum, VectorLoopsMatchTheScalarDefinition) {
   EXPECT_EQ(last.value, static_cast<float>(-limit));
 }
 
+// exact_reduce keeps a block's sum over the ranks in registers for up to four ranks and adds
+// the rest in a second pass, and divides by a power of two with a multiplication: every rank
+// count and divisor gives the bits of the scalar definition.
+TEST(ExactSum, ReduceMatchesTheDefinitionForEveryRankCountAndDivisor) {
+  using namespace dtrain::parallel;
+  const size_t n = 2051;  // two blocks and a ragged end
+  uint64_t state = 777;
+  auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(state >> 32);
+  };
+  for (int ranks = 1; ranks <= 7; ++ranks) {
+    for (const int64_t divisor : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{6}, int64_t{7}}) {
+      if (divisor < ranks) continue;
+      const double limit = exact_limit(divisor);
+      std::vector<std::vector<float>> g(static_cast<size_t>(ranks), std::vector<float>(n));
+      for (auto& v : g) {
+        for (size_t i = 0; i < n; ++i) {
+          const auto exponent = static_cast<int>(next() % 70) - 60;  // 2^-60 .. 2^9
+          v[i] = std::ldexp(static_cast<float>(next() % 2000001) / 1e6f - 1.0f, exponent);
+          if (i % 9 == 0) v[i] = std::ldexp(static_cast<float>(next() % 100) + 0.5f, -kExactFractionBits);  // a tie
+        }
+      }
+      std::vector<const float*> grads;
+      for (const auto& v : g) grads.push_back(v.data());
+      std::vector<float> want(n), got(n);
+      for (size_t i = 0; i < n; ++i) {
+        int64_t sum = 0;
+        for (const auto& v : g) sum += std::llrint(static_cast<double>(v[i]) * std::ldexp(1.0, kExactFractionBits));
+        want[i] = static_cast<float>(static_cast<double>(sum) * std::ldexp(1.0, -kExactFractionBits) /
+                                     static_cast<double>(divisor));
+      }
+      ASSERT_EQ(exact_reduce(got.data(), grads.data(), nullptr, ranks, n, divisor, limit).rank, -1);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0) << ranks << " ranks, divisor " << divisor;
+      // A fifth or later rank's element out of range is found too.
+      if (ranks >= 5) {
+        g[4][1500] = std::numeric_limits<float>::quiet_NaN();
+        const ExactOutOfRange bad = exact_reduce(got.data(), grads.data(), nullptr, ranks, n, divisor, limit);
+        EXPECT_EQ(bad.rank, 4);
+        EXPECT_EQ(bad.index, 1500u);
+      }
+    }
+  }
+}
+
 }  // namespace

@@ -4,10 +4,13 @@
 // buckets' f32 gradients (the reducer's mark_ready, as without --deterministic). Integer addition
 // is associative, so every way of adding the images gives the same bits:
 // - shared memory (one host): every rank's f32 gradients and sums lie in memory all ranks map;
-//   after a barrier each rank reduces its slice (ZeRO 0) or piece (ZeRO 1/2) straight from every
-//   rank's gradients and sums (exact_reduce: image, integer sum, float, in one pass) and writes the
-//   floats (ZeRO 0: into every rank's gradients, then a second barrier). The memory traffic is the
-//   f32 path's, plus the sums' when a rank has more than one micro-batch per step;
+//   after Reducer::finish()'s all_gather of backward counts (the barrier: every rank has written
+//   its gradients, sums and flag) each rank reduces its slice (ZeRO 0) or piece (ZeRO 1/2)
+//   straight from every rank's gradients and sums (exact_reduce: image, integer sum, float, in
+//   one pass) and writes the floats (ZeRO 0: into every rank's gradients). One small all_reduce
+//   then ends the reads and names an element out of range; with ZeRO 1's one copy of the values
+//   it is gather()'s, after the optimizer, instead of a barrier (two collectives per step). The
+//   memory traffic is the f32 path's, plus the sums' when a rank has more than one micro-batch;
 // - otherwise: the last micro-batch's gradients are added into the sums too, and the comm layer's
 //   int64 all_reduce (ZeRO 1/2: reduce_scatter into this rank's piece) adds them over the ranks.
 //
