@@ -128,6 +128,21 @@ TEST_F(Determinism, AGradientOutOfTheExactRangeStopsTheRun) {
   }
 }
 
+// ZeRO 1 on shared memory checks the range in the collective that ends the step (after the
+// optimizer, instead of a barrier): the run still stops at the step it diverged, on every rank.
+TEST_F(Determinism, AGradientOutOfRangeStopsZeroOneOnSharedMemory) {
+  ProcessResult r = dtrain(
+      "train --model mlp --hidden 16 --batch-size 8 --steps 3 --lr 1e30 --deterministic --progress=false --dp 2 "
+      "--zero 1");
+  EXPECT_NE(r.code, 0) << r.output;
+  for (const std::string rank : {"[rank 0]", "[rank 1]"}) {
+    const size_t at = r.output.find(rank + " dtrain: error: [ddp] --deterministic: the gradient of '");
+    ASSERT_NE(at, std::string::npos) << rank << ": " << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    EXPECT_NE(line.find("at step 2 has an element"), std::string::npos) << line;
+  }
+}
+
 // A flipped gradient bit on any rank at any audited step stops the run, naming that rank, the
 // step and the tensor the fault flipped; without a fault the audited run ends with the digest
 // of the unaudited one.
