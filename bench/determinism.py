@@ -5,6 +5,7 @@ the cost, side by side with the settings of bench/ddp_compare.py.
     /usr/bin/python3 bench/determinism.py [--only table,flips,elastic,mpi,netns,cost] [--repeats 3]
                                           [--mlp-steps 60] [--gpt-steps 20] [--flips 10]
                                           [--before OLD_BUILD/dtrain] [--audit-every 100]
+                                          [--dp 2,4] [--models mlp,gpt]
 
 table  the params digest of the MLP (784-1024-1024-10) and the GPT (4 x 128, T 128) with
        --deterministic on every layout of one global batch and micro-batch: --dp 1,2,3,4,6,8 x
@@ -153,21 +154,24 @@ def flips(tmp, results, count):
 
 # -------------------------------------------------------------------------------------- cost
 
-def cost(tmp, results, repeats, mlp_steps, gpt_steps, before=None, audit_every=100):
+def cost(tmp, results, repeats, mlp_steps, gpt_steps, before=None, audit_every=100, worlds=(2, 4), models=("mlp", "gpt")):
     jobs = {
         "mlp": f"--model mlp --optimizer adamw --lr 1e-3 --steps {mlp_steps}",
         "gpt": f"--model gpt --data text:{CORPUS} --optimizer adamw --lr 3e-4 --steps {gpt_steps}",
     }
+    jobs = {m: j for m, j in jobs.items() if m in models}
     per_rank = {"mlp": 64, "gpt": 16}
     unit = {"mlp": "samples_per_s", "gpt": "tokens_per_s"}
     audit = f"audit{audit_every}"
-    variants = {"plain": "", "deterministic": "--deterministic", audit: f"--deterministic --audit {audit_every}"}
+    variants = {"plain": "", "deterministic": "--deterministic"}
+    if audit_every > 0:  # 0: no --audit variant
+        variants[audit] = f"--deterministic --audit {audit_every}"
     steps = {"mlp": mlp_steps, "gpt": gpt_steps}
     if before:
         variants["before"] = "--deterministic"  # run by the --before binary
     cells = {}
     for rep in range(repeats):
-        order = [(m, w, v) for m in jobs for w in (2, 4) for v in variants]
+        order = [(m, w, v) for m in jobs for w in worlds for v in variants]
         if rep % 2:
             order.reverse()
         for model, world, variant in order:
@@ -180,7 +184,7 @@ def cost(tmp, results, repeats, mlp_steps, gpt_steps, before=None, audit_every=1
     limit = {"mlp": 0.10, "gpt": 0.05}
     ok = True
     for model in jobs:
-        for world in (2, 4):
+        for world in worlds:
             plain = statistics.median(cells.get((model, world, "plain"), [0]))
             for variant in [v for v in variants if v != "plain"]:
                 v = statistics.median(cells.get((model, world, variant), [0]))
@@ -334,8 +338,10 @@ def main():
     ap.add_argument("--gpt-steps", type=int, default=20)
     ap.add_argument("--flips", type=int, default=10)
     ap.add_argument("--audit-every", type=int, default=100,
-                    help="cost: K of the --audit variant (below 100 it runs within fewer steps; the cost is then "
+                    help="cost: K of the --audit variant, 0 for none (below 100 it runs within fewer steps; the cost is then "
                     "also shown scaled to K = 100)")
+    ap.add_argument("--dp", default="2,4", help="cost: the data-parallel worlds to measure, e.g. 4")
+    ap.add_argument("--models", default="mlp,gpt", help="cost: the models to measure, e.g. mlp")
     ap.add_argument("--before", help="cost: also run --deterministic with this dtrain binary (an older build), "
                     "side by side")
     a = ap.parse_args()
@@ -354,7 +360,8 @@ def main():
         if "netns" in parts:
             ok &= netns(tmp, results)
         if "cost" in parts:
-            ok &= cost(tmp, results, a.repeats, a.mlp_steps, a.gpt_steps, a.before, a.audit_every)
+            ok &= cost(tmp, results, a.repeats, a.mlp_steps, a.gpt_steps, a.before, a.audit_every,
+                       tuple(int(w) for w in a.dp.split(",")), tuple(a.models.split(",")))
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "results", "determinism.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -128,6 +128,21 @@ TEST_F(Determinism, AGradientOutOfTheExactRangeStopsTheRun) {
   }
 }
 
+// ZeRO 1 on shared memory checks the range in the collective that ends the step (after the
+// optimizer, instead of a barrier): the run still stops at the step it diverged, on every rank.
+TEST_F(Determinism, AGradientOutOfRangeStopsZeroOneOnSharedMemory) {
+  ProcessResult r = dtrain(
+      "train --model mlp --hidden 16 --batch-size 8 --steps 3 --lr 1e30 --deterministic --progress=false --dp 2 "
+      "--zero 1");
+  EXPECT_NE(r.code, 0) << r.output;
+  for (const std::string rank : {"[rank 0]", "[rank 1]"}) {
+    const size_t at = r.output.find(rank + " dtrain: error: [ddp] --deterministic: the gradient of '");
+    ASSERT_NE(at, std::string::npos) << rank << ": " << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    EXPECT_NE(line.find("at step 2 has an element"), std::string::npos) << line;
+  }
+}
+
 // A flipped gradient bit on any rank at any audited step stops the run, naming that rank, the
 // step and the tensor the fault flipped; without a fault the audited run ends with the digest
 // of the unaudited one.
@@ -254,6 +269,51 @@ TEST(ExactSum, VectorLoopsMatchTheScalarDefinition) {
   EXPECT_EQ(last.rank, 2);
   EXPECT_EQ(last.index, 4099u);
   EXPECT_EQ(last.value, static_cast<float>(-limit));
+}
+
+// exact_reduce keeps a block's sum over the ranks in registers for up to four ranks and adds
+// the rest in a second pass, and divides by a power of two with a multiplication: every rank
+// count and divisor gives the bits of the scalar definition.
+TEST(ExactSum, ReduceMatchesTheDefinitionForEveryRankCountAndDivisor) {
+  using namespace dtrain::parallel;
+  const size_t n = 2051;  // two blocks and a ragged end
+  uint64_t state = 777;
+  auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(state >> 32);
+  };
+  for (int ranks = 1; ranks <= 7; ++ranks) {
+    for (const int64_t divisor : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{6}, int64_t{7}}) {
+      if (divisor < ranks) continue;
+      const double limit = exact_limit(divisor);
+      std::vector<std::vector<float>> g(static_cast<size_t>(ranks), std::vector<float>(n));
+      for (auto& v : g) {
+        for (size_t i = 0; i < n; ++i) {
+          const auto exponent = static_cast<int>(next() % 70) - 60;  // 2^-60 .. 2^9
+          v[i] = std::ldexp(static_cast<float>(next() % 2000001) / 1e6f - 1.0f, exponent);
+          if (i % 9 == 0) v[i] = std::ldexp(static_cast<float>(next() % 100) + 0.5f, -kExactFractionBits);  // a tie
+        }
+      }
+      std::vector<const float*> grads;
+      for (const auto& v : g) grads.push_back(v.data());
+      std::vector<float> want(n), got(n);
+      for (size_t i = 0; i < n; ++i) {
+        int64_t sum = 0;
+        for (const auto& v : g) sum += std::llrint(static_cast<double>(v[i]) * std::ldexp(1.0, kExactFractionBits));
+        want[i] = static_cast<float>(static_cast<double>(sum) * std::ldexp(1.0, -kExactFractionBits) /
+                                     static_cast<double>(divisor));
+      }
+      ASSERT_EQ(exact_reduce(got.data(), grads.data(), nullptr, ranks, n, divisor, limit).rank, -1);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0) << ranks << " ranks, divisor " << divisor;
+      // A fifth or later rank's element out of range is found too.
+      if (ranks >= 5) {
+        g[4][1500] = std::numeric_limits<float>::quiet_NaN();
+        const ExactOutOfRange bad = exact_reduce(got.data(), grads.data(), nullptr, ranks, n, divisor, limit);
+        EXPECT_EQ(bad.rank, 4);
+        EXPECT_EQ(bad.index, 1500u);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -20,30 +20,75 @@ int ceil_log2(int64_t n) {
   return bits;
 }
 
-// acc[i] += round(g[i] x 2^F), nearest even. Written so that GCC vectorises it (vrndscalepd and
-// vcvttpd2qq on AVX-512; the form `acc += (int64_t)nearbyint(x)` in one expression became a
-// scalar cvtsd2si loop): g x 2^F is exact in double, nearbyint rounds it to an integer in the
-// current (nearest-even) mode and the conversion of that integer is exact.
+// round(x x 2^F) to nearest even, as an int64, for |x| < 2^(62 - F): x x 2^F is exact in float
+// (a power-of-two scaling of a value far inside float's range), it is rounded to an integer in
+// the current (nearest-even) rounding mode and that integer converts to int64 exactly. The same
+// bits as nearbyint(double(x) x 2^F), with float vectors (vrndscaleps and vcvttps2qq on
+// AVX-512: a float vector holds twice the elements of a double one). A subnormal x gives 0
+// either way.
+inline int64_t image_of(float x) {
+  constexpr float kScale = static_cast<float>(int64_t{1} << kExactFractionBits);
+  return static_cast<int64_t>(std::nearbyint(x * kScale));
+}
+
+// acc[i] += image_of(g[i]). Written so that GCC vectorises it (the form `acc += llrint(x)`
+// became a scalar loop).
 void add_images(int64_t* __restrict acc, const float* __restrict g, size_t n) {
-  const double scale = std::ldexp(1.0, kExactFractionBits);
-  for (size_t i = 0; i < n; ++i) {
-    const double image = std::nearbyint(static_cast<double>(g[i]) * scale);
-    acc[i] += static_cast<int64_t>(image);
-  }
+  for (size_t i = 0; i < n; ++i) acc[i] += image_of(g[i]);
 }
 
 // add_images, and whether any g[i] was not finite or not below `bound` in magnitude (those
 // add garbage: the caller drops the sums then).
 int add_images_checked(int64_t* __restrict acc, const float* __restrict g, size_t n, float bound) {
-  const double scale = std::ldexp(1.0, kExactFractionBits);
   int bad = 0;
   for (size_t i = 0; i < n; ++i) {
     const bool in = std::fabs(g[i]) < bound;  // false for NaN too
     bad |= in ? 0 : 1;
-    // An element out of range adds 0 (its conversion could overflow).
-    const double image = std::nearbyint(static_cast<double>(in ? g[i] : 0.0f) * scale);
-    acc[i] += static_cast<int64_t>(image);
+    acc[i] += image_of(in ? g[i] : 0.0f);  // an element out of range adds 0 (its image could overflow)
   }
+  return bad;
+}
+
+// acc[i] = the sum over the R ranks of image_of(g[q][i]), the sum kept in a register (one
+// store per element instead of R loads and stores of acc); whether any element was out of range.
+template <int R>
+int sum_images(int64_t* __restrict acc, const float* const* grads, size_t at, size_t n, float bound) {
+  const float* g[R];
+  for (int q = 0; q < R; ++q) g[q] = grads[q] + at;
+  int bad = 0;
+#pragma GCC ivdep  // acc overlaps none of the gradients
+  for (size_t i = 0; i < n; ++i) {
+    int64_t s = 0;
+    for (int q = 0; q < R; ++q) {
+      const float x = g[q][i];
+      const bool in = std::fabs(x) < bound;
+      bad |= in ? 0 : 1;
+      s += image_of(in ? x : 0.0f);
+    }
+    acc[i] = s;
+  }
+  return bad;
+}
+
+int sum_images_any(int64_t* acc, const float* const* grads, int ranks, size_t at, size_t n, float bound) {
+  switch (ranks) {
+    case 1:
+      return sum_images<1>(acc, grads, at, n, bound);
+    case 2:
+      return sum_images<2>(acc, grads, at, n, bound);
+    case 3:
+      return sum_images<3>(acc, grads, at, n, bound);
+    case 4:
+      return sum_images<4>(acc, grads, at, n, bound);
+    default:
+      break;
+  }
+  if (ranks < 4) {  // none
+    std::memset(acc, 0, n * sizeof(int64_t));
+    return 0;
+  }
+  int bad = sum_images<4>(acc, grads, at, n, bound);
+  for (int q = 4; q < ranks; ++q) bad |= add_images_checked(acc, grads[q] + at, n, bound);
   return bad;
 }
 
@@ -77,8 +122,14 @@ size_t exact_add(int64_t* acc, const float* g, size_t n, double limit) {
   return at;
 }
 
-void exact_to_float(const int64_t* acc, float* out, size_t n, int64_t divisor) {
+void exact_to_float(const int64_t* __restrict acc, float* __restrict out, size_t n, int64_t divisor) {
   const double unit = std::ldexp(1.0, -kExactFractionBits);
+  if ((divisor & (divisor - 1)) == 0) {
+    // x x 2^-F / 2^k is x x 2^-(F + k) exactly (no rounding before the last): no division.
+    const double factor = unit / static_cast<double>(divisor);
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(acc[i]) * factor);
+    return;
+  }
   const auto d = static_cast<double>(divisor);
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(acc[i]) * unit / d);
 }
@@ -91,9 +142,7 @@ ExactOutOfRange exact_reduce(float* out, const float* const* grads, const int64_
   const auto bound = static_cast<float>(limit);  // a power of two: exact
   for (size_t at = 0; at < n; at += kBlock) {
     const size_t m = std::min(kBlock, n - at);
-    std::memset(acc, 0, m * sizeof(int64_t));
-    int bad = 0;
-    for (int q = 0; q < ranks; ++q) bad |= add_images_checked(acc, grads[q] + at, m, bound);
+    const int bad = sum_images_any(acc, grads, ranks, at, m, bound);
     if (bad != 0) {
       for (int q = 0; q < ranks; ++q) {
         const size_t i = exact_check(grads[q] + at, m, limit);

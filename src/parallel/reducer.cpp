@@ -292,6 +292,7 @@ void Reducer::finish() {
   const bool per_bucket = d.sync->per_bucket();
   if (per_bucket) d.launch_in_order();
   // Did every rank run its backward? (A rank without one would silently average in zeros.)
+  // Also the barrier that ExactSync's in-place reduction relies on (sync_exact.cpp): keep it.
   int64_t mine = static_cast<int64_t>(d.ready_count);
   std::vector<int64_t> counts(static_cast<size_t>(world));
   d.group.all_gather(&mine, counts.data(), 1, DataType::i64);

@@ -27,6 +27,7 @@
 #include "dtrain/comm/compressed.h"
 #include "dtrain/comm/group.h"
 #include "dtrain/comm/shared.h"
+#include "dtrain/parallel/exact.h"
 #include "dtrain/parallel/reducer.h"
 
 namespace dtrain::parallel {
@@ -165,6 +166,9 @@ class ExactSync : public ZeroSync {
   float* gradients_of(size_t rank) const;
   int64_t* sums_of(size_t rank) const;
   int64_t* flag_of(size_t rank) const;
+  /// One collective over the ranks: ends the step's reads of the peers' gradients and sums and
+  /// throws, naming the same element on every rank, when any rank's `bad` names one.
+  void agree_in_range(const std::vector<Bucket>& buckets, const ExactOutOfRange& bad);
   /// The error for rank `rank`'s gradient element `element` (of all buckets' elements).
   [[noreturn]] void throw_out_of_range(const std::vector<Bucket>& buckets, size_t element, int rank, float value) const;
 
@@ -183,6 +187,7 @@ class ExactSync : public ZeroSync {
   bool folded_ = false;                       // this step added a micro-batch into the sums
   bool stale_ = false;                        // shared: the sums hold the last step's (zeroed before the next add)
   int64_t step_ = 0;                          // steps reduced (the reducer's step + 1 while reducing)
+  ExactOutOfRange first_bad_;                 // ZeRO 1 shared: this rank's element out of range, until gather()
   std::vector<std::string> names_;            // parameter names, for errors
   std::vector<std::vector<int64_t>> pieces_;  // heap ZeRO: per bucket, this rank's piece of the sums
 };

@@ -4,10 +4,13 @@
 // buckets' f32 gradients (the reducer's mark_ready, as without --deterministic). Integer addition
 // is associative, so every way of adding the images gives the same bits:
 // - shared memory (one host): every rank's f32 gradients and sums lie in memory all ranks map;
-//   after a barrier each rank reduces its slice (ZeRO 0) or piece (ZeRO 1/2) straight from every
-//   rank's gradients and sums (exact_reduce: image, integer sum, float, in one pass) and writes the
-//   floats (ZeRO 0: into every rank's gradients, then a second barrier). The memory traffic is the
-//   f32 path's, plus the sums' when a rank has more than one micro-batch per step;
+//   after Reducer::finish()'s all_gather of backward counts (the barrier: every rank has written
+//   its gradients, sums and flag) each rank reduces its slice (ZeRO 0) or piece (ZeRO 1/2)
+//   straight from every rank's gradients and sums (exact_reduce: image, integer sum, float, in
+//   one pass) and writes the floats (ZeRO 0: into every rank's gradients). One small all_reduce
+//   then ends the reads and names an element out of range; with ZeRO 1's one copy of the values
+//   it is gather()'s, after the optimizer, instead of a barrier (two collectives per step). The
+//   memory traffic is the f32 path's, plus the sums' when a rank has more than one micro-batch;
 // - otherwise: the last micro-batch's gradients are added into the sums too, and the comm layer's
 //   int64 all_reduce (ZeRO 1/2: reduce_scatter into this rank's piece) adds them over the ranks.
 //
@@ -116,7 +119,11 @@ int64_t* ExactSync::flag_of(size_t rank) const {
 
 void ExactSync::gather(std::vector<Bucket>& buckets) {
   if (values_shared_) {
-    ctx_.group.barrier();  // every rank updated its piece of the one copy
+    // Every rank updated its piece of the one copy, and read the peers' gradients and sums of
+    // the step before that: this collective ends both, and says whether a rank met a gradient
+    // element out of range in its piece (reduce_shared left it in first_bad_).
+    agree_in_range(buckets, first_bad_);
+    first_bad_ = {};
   } else {
     ZeroSync::gather(buckets);
   }
@@ -141,6 +148,7 @@ size_t ExactSync::add(const Bucket& b, size_t offset, const float* gradient, siz
     std::memset(sums_base_, 0, elements_ * sizeof(int64_t));
     stale_ = false;
   }
+  if (!folded_ && shared_.valid()) *flag_of(static_cast<size_t>(ctx_.group.rank())) = 1;
   folded_ = true;
   return exact_add(sums_base_ + at_[b.index] + offset, gradient, n, limit_);
 }
@@ -169,8 +177,8 @@ void ExactSync::throw_out_of_range(const std::vector<Bucket>& buckets, size_t el
 
 void ExactSync::reduce_shared(std::vector<Bucket>& buckets) {
   const size_t world = ctx_.world(), rank = static_cast<size_t>(ctx_.group.rank());
-  *flag_of(rank) = folded_ ? 1 : 0;
-  ctx_.group.barrier();  // every rank's gradients, sums and flag are written
+  // No barrier first: Reducer::finish() all_gathers the ranks' backward counts right before
+  // reduce_all, so every rank has written its gradients, sums and flag (add()) by now.
   std::vector<const float*> grads(world);
   std::vector<const int64_t*> sums(world);
   bool any_sums = false;
@@ -217,13 +225,31 @@ void ExactSync::reduce_shared(std::vector<Bucket>& buckets) {
       volume_.raw_bytes += b.padded * sizeof(float) * (world - 1) / world;
     }
   }
-  // Did any rank meet a gradient element out of range? The smallest (element, rank) wins, so
-  // every rank names the same one. This collective also ends the reads of the peers' gradients
-  // and sums and (ZeRO 0) the writes into them: each rank writes its own again after it.
+  if (values_shared_) {
+    // ZeRO 1 with one copy of the values: the peers' reads end at gather()'s collective, after
+    // the optimizer has updated this rank's piece (which reads only piece_grad); the range
+    // check waits for it too (a rank that met an element out of range stops there, before the
+    // step ends, as do its peers). One collective per step instead of two.
+    first_bad_ = bad;
+    return;
+  }
+  // This collective ends the reads of the peers' gradients and sums and (ZeRO 0) the writes into
+  // them: each rank writes its own again after it.
+  agree_in_range(buckets, bad);
+}
+
+// Did any rank meet a gradient element out of range? The smallest (element, rank) wins, so every
+// rank names the same one. A collective over all ranks: it also ends the step's reads of the
+// peers' gradients and sums, after which a rank may write its own again.
+void ExactSync::agree_in_range(const std::vector<Bucket>& buckets, const ExactOutOfRange& bad) {
+  const size_t world = ctx_.world();
   const int64_t none = std::numeric_limits<int64_t>::max();
   int64_t first = bad.rank >= 0 ? static_cast<int64_t>(bad.index * world) + bad.rank : none;
   ctx_.group.all_reduce(&first, &first, 1, comm::DataType::i64, comm::ReduceOp::min);
-  stale_ = folded_;
+  if (folded_) {
+    if (shared_.valid()) *flag_of(static_cast<size_t>(ctx_.group.rank())) = 0;
+    stale_ = true;  // zeroed before the next add(): the peers may have read them until now
+  }
   folded_ = false;
   if (first != none) {
     // The value, from the rank that found it.
