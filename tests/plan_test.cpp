@@ -233,7 +233,7 @@ TEST(PlanSearch, MemoryLimitExcludesLayoutsAndTheCheapestFeasibleIsRecommended) 
   for (int tp : {1, 2, 4, 8, 16}) {
     for (int pp : {1, 2, 4, 8, 16}) {
       if (tp * pp > 16) continue;
-      for (int zero : {0, 1, 2}) {
+      for (int zero : {0, 1, 2, 3}) {
         for (int64_t mb : {1, 2, 4, 8, 16, 32, 64}) {
           for (bool rc : {false, true}) {
             Layout l;
@@ -257,6 +257,32 @@ TEST(PlanSearch, MemoryLimitExcludesLayoutsAndTheCheapestFeasibleIsRecommended) 
   }
   EXPECT_NEAR(r.ranked.front().step_s, best, 1e-12);
   for (size_t i = 1; i < r.ranked.size(); ++i) EXPECT_GE(r.ranked[i].step_s, r.ranked[i - 1].step_s * (1 - 1e-3));
+}
+
+// The search tries ZeRO 3 too: under a limit that pure data parallelism with ZeRO 2 exceeds, the
+// same four replicas with sharded parameters fit and are among the feasible layouts.
+TEST(PlanSearch, ZeroThreeIsTriedAndFitsWhereZeroTwoDoesNot) {
+  const ModelSpec m = gpt_spec(16, 512, 8, 128);
+  Layout z2;
+  z2.dp = 4;
+  z2.zero = 2;
+  Layout z3 = z2;
+  z3.zero = 3;
+  const Prediction p2 = predict(m, device(1e12), z2, 16);
+  const Prediction p3 = predict(m, device(1e12), z3, 16);
+  ASSERT_LT(p3.memory.total(), p2.memory.total());
+  Hardware hw = device(1e12);
+  hw.memory = (p2.memory.total() + p3.memory.total()) / 2;
+  SearchOptions o;
+  o.devices = 4;
+  const SearchResult r = search(m, hw, 16, Layout{}, o);
+  bool zero3 = false;
+  for (const Prediction& p : r.ranked) {
+    EXPECT_FALSE(p.layout.dp == 4 && p.layout.zero == 2 && !p.layout.recompute && p.layout.accumulate == 1)
+        << p.layout.str();
+    zero3 = zero3 || (p.layout.dp == 4 && p.layout.zero == 3);
+  }
+  EXPECT_TRUE(zero3) << "no --dp 4 --zero 3 layout among " << r.ranked.size() << " feasible ones";
 }
 
 TEST(PlanLayout, ImpossibleLayoutsAreClearErrors) {

@@ -151,7 +151,7 @@ Prediction predict_if_fits(const ModelSpec& model, const Hardware& hw, const Lay
 
 struct SearchOptions {
   int devices = 1;
-  std::vector<int> zero = {0, 1, 2};
+  std::vector<int> zero = {0, 1, 2, 3};
   bool try_recompute = true;
   bool try_gpipe = false;
   int max_micro_batches = 64;
