@@ -7,7 +7,7 @@
 // - SharedZeroSync (ZeRO 1): the values are one copy for the host (rank 0's at the start), the
 //   reduce_scatter reads the peers' slots in place, and each rank updates its piece of the one
 //   copy, so gather() is a barrier.
-// - SharedZeroThreeSync (ZeRO 3): the values are one copy for the host as for ZeRO 1 (the
+// - SharedZeroSync without shared gradients (ZeRO 3): the values are one copy for the host as for ZeRO 1 (the
 //   allocation is only that part), each rank's piece (`own`) is its slice of it, and whole
 //   buckets are always there: a gather is nothing and gather() the barrier after the updates.
 //   The gradients take ZeRO 2's heap path (allocated for the step, reduce_scattered, freed).
@@ -63,15 +63,25 @@ class SharedAllReduceSync : public AllReduceSync {
   SharedLayout layout_;
 };
 
+// ZeRO 1 (`shared_grads`) and ZeRO 3 on one host: the buckets' values are the host's one copy,
+// each rank updating its piece of it. ZeRO 1 also keeps every rank's gradient slot there and
+// reduce_scatters it in place; ZeRO 3 keeps only the values (a rank's piece, `own`, is its slice
+// of them, so no all_gather makes a bucket whole) and its gradients take ZeroSync's heap path
+// (allocated for the step, reduce_scattered, freed).
 class SharedZeroSync : public ZeroSync {
  public:
-  SharedZeroSync(SyncContext context, SharedLayout layout) : ZeroSync(std::move(context)), layout_(std::move(layout)) {}
+  SharedZeroSync(SyncContext context, SharedLayout layout, bool shared_grads)
+      : ZeroSync(std::move(context)), layout_(std::move(layout)), shared_grads_(shared_grads) {}
 
   void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override {
     const size_t rank = static_cast<size_t>(ctx_.group.rank());
     for (Bucket& b : buckets) {
       b.values = layout_.floats(layout_.at[b.index] * sizeof(float));
-      b.grad = layout_.floats(layout_.grad_at(b.index) + rank * layout_.stride);
+      if (shared_grads_) {
+        b.grad = layout_.floats(layout_.grad_at(b.index) + rank * layout_.stride);
+      } else {
+        b.own = Floats(b.values, b.values.get() + rank * ctx_.piece_of(b));
+      }
       if (rank == 0) copy_values_in(b, params);  // rank 0's values become the host's copy
       b.piece_grad = zeroed_floats(ctx_.allocate, ctx_.piece_of(b));
     }
@@ -79,6 +89,7 @@ class SharedZeroSync : public ZeroSync {
   }
 
   comm::Work start(Bucket& b) override {
+    if (!shared_grads_) return ZeroSync::start(b);
     count_volume(b);
     return comm::reduce_scatter_shared_async(ctx_.group, layout_.memory, layout_.grad_at(b.index), layout_.stride,
                                              b.piece_grad.get(), ctx_.piece_of(b), DataType::f32, ReduceOp::avg);
@@ -92,35 +103,7 @@ class SharedZeroSync : public ZeroSync {
 
  private:
   SharedLayout layout_;
-};
-
-// ZeRO 3 on one host: a rank's piece of the parameters is its slice of the host's one copy, so
-// the copy is 1/world of the parameters per rank and no all_gather is needed to make a bucket
-// whole. Gradients as ZeroSync does for ZeRO 2/3.
-class SharedZeroThreeSync : public ZeroSync {
- public:
-  SharedZeroThreeSync(SyncContext context, SharedLayout layout)
-      : ZeroSync(std::move(context)), layout_(std::move(layout)) {}
-
-  void place(std::vector<Bucket>& buckets, const std::vector<ReducerParam>& params) override {
-    const size_t rank = static_cast<size_t>(ctx_.group.rank());
-    for (Bucket& b : buckets) {
-      b.values = layout_.floats(layout_.at[b.index] * sizeof(float));
-      b.own = Floats(b.values, b.values.get() + rank * ctx_.piece_of(b));
-      if (rank == 0) copy_values_in(b, params);  // rank 0's values become the host's copy
-      b.piece_grad = zeroed_floats(ctx_.allocate, ctx_.piece_of(b));
-    }
-    ctx_.group.barrier();  // rank 0's values are in place before anyone reads them
-  }
-
-  // Every rank updated its piece of the one copy: wait until all did.
-  void gather(std::vector<Bucket>& /*buckets*/) override { ctx_.group.barrier(); }
-
-  bool shares_memory() const override { return true; }
-  bool shares_values() const override { return true; }
-
- private:
-  SharedLayout layout_;
+  bool shared_grads_;
 };
 
 }  // namespace
@@ -167,8 +150,7 @@ std::unique_ptr<SyncStrategy> make_shared_sync(SyncContext context, const std::v
     return nullptr;
   }
   layout.memory = comm::allocate_shared(group, bytes);
-  if (context.zero == 3) return std::make_unique<SharedZeroThreeSync>(std::move(context), std::move(layout));
-  if (layout.values_too) return std::make_unique<SharedZeroSync>(std::move(context), std::move(layout));
+  if (layout.values_too) return std::make_unique<SharedZeroSync>(std::move(context), std::move(layout), grads_too);
   return std::make_unique<SharedAllReduceSync>(std::move(context), std::move(layout));
 }
 
