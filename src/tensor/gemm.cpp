@@ -429,9 +429,8 @@ void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, con
       detail::library_for(GemmBackend::automatic, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb);
 #if DTRAIN_HAVE_ONEDNN
   if (library == GemmBackend::onednn) {
-    detail::MatmulShape s;
-    s.ta = trans_a, s.tb = trans_b, s.m = m, s.n = n, s.k = k, s.lda = lda, s.ldb = ldb, s.ldc = n, s.bias = true;
-    detail::run_matmul(s, a, b, bias, c);
+    detail::run_matmul(detail::matmul_shape(false, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, true), a, b,
+                       bias, c);
     return;
   }
 #endif
@@ -443,18 +442,15 @@ void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                     const uint16_t* b, int64_t ldb, const float* bias, float* c) {
   profile::Scope scope(profile::Kind::matmul);
   if (m == 0 || n == 0) return;
-  const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
 #if DTRAIN_HAVE_ONEDNN
+  const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
   if (k > 0 && dense && detail::bf16_products_native() &&
       product_to_run("gemm_bf16_bias", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, c, n)) {
-    detail::MatmulShape s;
-    s.bf16 = true;
-    s.ta = trans_a, s.tb = trans_b, s.m = m, s.n = n, s.k = k, s.lda = lda, s.ldb = ldb, s.ldc = n, s.bias = true;
-    detail::run_matmul(s, a, b, bias, c);
+    detail::run_matmul(detail::matmul_shape(true, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, true), a, b, bias,
+                       c);
     return;
   }
 #endif
-  (void)dense;
   detail::fill_rows(bias, m, n, c);
   gemm_bf16(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
 }

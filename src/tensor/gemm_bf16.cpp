@@ -25,15 +25,6 @@ namespace dtrain::detail {
 namespace {
 
 #if DTRAIN_HAVE_ONEDNN
-MatmulShape bf16_shape(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-                       float alpha, float beta) {
-  MatmulShape s;
-  s.bf16 = true;
-  s.ta = ta, s.tb = tb, s.m = m, s.n = n, s.k = k, s.lda = lda, s.ldb = ldb, s.ldc = ldc, s.alpha = alpha,
-  s.beta = beta;
-  return s;
-}
-
 // oneDNN runs bf16 matmuls natively from AVX512_BF16 up (AMX included); below that it would
 // emulate them, slower than the fallback.
 bool onednn_has_bf16() {
@@ -55,7 +46,7 @@ const Route& route() {
     if (onednn_has_bf16()) {
       try {
         const std::string impl =
-            describe_matmul(bf16_shape(false, true, 64, 64, 64, 64, 64, 64, 1.0f, 0.0f)).impl_info_str();
+            describe_matmul(matmul_shape(true, false, true, 64, 64, 64, 64, 64, 64, 1.0f, 0.0f, false)).impl_info_str();
         out.native = impl.rfind("ref", 0) != 0;
         out.description = fmt::format("bf16 products: oneDNN's matmul ({}, kernel {})", onednn_isa(), impl);
         why = fmt::format("oneDNN offers only a reference kernel ({})", impl);
@@ -129,7 +120,7 @@ void gemm_bf16_operands(GemmBackend f32_library, bool ta, bool tb, int64_t m, in
       for (int64_t r = 0; r < m; ++r) std::memcpy(dense_c + r * n, c + r * ldc, static_cast<size_t>(n) * 4);
     }
   }
-  run_matmul(bf16_shape(ta, tb, m, n, k, lda, ldb, n, alpha, beta), a, b, nullptr, dense_c);
+  run_matmul(matmul_shape(true, ta, tb, m, n, k, lda, ldb, n, alpha, beta, false), a, b, nullptr, dense_c);
   if (dense_c != c) {
     for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, dense_c + r * n, static_cast<size_t>(n) * 4);
   }

@@ -49,6 +49,10 @@ struct MatmulShape {
   float alpha = 1.0f, beta = 0.0f;
   bool bias = false;  // N f32 values added to every row of C
 };
+inline MatmulShape matmul_shape(bool bf16, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                                int64_t ldc, float alpha, float beta, bool bias) {
+  return MatmulShape{bf16, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, bias};
+}
 dnnl::engine& onednn_engine();
 /// The primitive's description (built and kept by run_matmul; also asked what kernel it runs).
 dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& shape);
