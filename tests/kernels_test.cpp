@@ -243,6 +243,30 @@ TEST(Kernels, SumsAndAdamWAreTheScalarArithmetic) {
   }
 }
 
+// The streaming-store AdamW (for a host's shared parameter copy) writes the bits of the
+// ordinary one, at every length and at every alignment of p (its stores are aligned inside).
+TEST(Kernels, StreamingAdamWWritesTheBitsOfAdamW) {
+  for (const kernels::Table* k : tables()) {
+    for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{17}, int64_t{511}, int64_t{512}, int64_t{1500}, int64_t{4099}}) {
+      for (int64_t shift : {0, 1, 5, 8}) {
+        SCOPED_TRACE(std::string(k->isa) + " n=" + std::to_string(n) + " shift=" + std::to_string(shift));
+        std::vector<float> p = randn(n + shift, 53), m = randn(n, 54, 0.1f), v = randn(n, 55, 0.1f);
+        for (float& x : v) x = x * x;
+        const std::vector<float> g = randn(n, 56);
+        std::vector<float> p2 = p, m2 = m, v2 = v;
+        for (int step = 0; step < 3; ++step) {
+          k->adamw(p.data() + shift, g.data(), m.data(), v.data(), n, 0.999f, 0.9f, 0.95f, 1e-3f, 1.25f, 1e-8f);
+          k->adamw_stream(p2.data() + shift, g.data(), m2.data(), v2.data(), n, 0.999f, 0.9f, 0.95f, 1e-3f, 1.25f,
+                          1e-8f);
+        }
+        EXPECT_EQ(0, std::memcmp(p.data(), p2.data(), p.size() * sizeof(float)));
+        EXPECT_EQ(0, std::memcmp(m.data(), m2.data(), m.size() * sizeof(float)));
+        EXPECT_EQ(0, std::memcmp(v.data(), v2.data(), v.size() * sizeof(float)));
+      }
+    }
+  }
+}
+
 TEST(Kernels, Bf16RoundingIsNearestEvenWithNanAndInfinityKept) {
   std::vector<float> special = {0.0f,
                                 -0.0f,

@@ -144,6 +144,7 @@ AdamW::AdamW(std::vector<Tensor> params, float lr, float beta1, float beta2, flo
 void AdamW::step() {
   NoGradGuard no_grad;
   ++step_count_;
+  const auto update = shared_params_ ? kernels::table().adamw_stream : kernels::table().adamw;
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor g = params_[i].grad();
     if (!g.defined()) continue;
@@ -176,8 +177,8 @@ void AdamW::step() {
     const int64_t chunk = storage_ ? kOffloadChunk : std::max<int64_t>(n, 1);
     for (int64_t off = 0; off < n; off += chunk) {
       const int64_t len = std::min(chunk, n - off);
-      kernels::table().adamw(params_[i].data() + off, g.data() + off, exp_avg_[i].data() + off,
-                             exp_avg_sq_[i].data() + off, len, decay, beta1_, beta2_, step_size, inv_bc2_sqrt, eps_);
+      update(params_[i].data() + off, g.data() + off, exp_avg_[i].data() + off, exp_avg_sq_[i].data() + off, len, decay,
+             beta1_, beta2_, step_size, inv_bc2_sqrt, eps_);
       release(exp_avg_[i], off, len);
       release(exp_avg_sq_[i], off, len);
     }
@@ -185,6 +186,7 @@ void AdamW::step() {
 }
 
 void AdamW::step_int8(size_t i, const float* g, float decay, float step_size, float inv_bc2_sqrt) {
+  const auto update = shared_params_ ? kernels::table().adamw_stream : kernels::table().adamw;
   float* p = params_[i].data();
   auto* m_codes = static_cast<uint8_t*>(exp_avg_[i].raw_data());
   auto* v_codes = static_cast<uint8_t*>(exp_avg_sq_[i].raw_data());
@@ -197,7 +199,7 @@ void AdamW::step_int8(size_t i, const float* g, float decay, float step_size, fl
     const int64_t len = std::min(kQuantBlock, n - off);
     dequantize_block(QuantCode::kSigned, m_codes + off, len, m_scale[b], m);
     dequantize_block(QuantCode::kUnsignedSqrt, v_codes + off, len, v_scale[b], v);
-    kernels::table().adamw(p + off, g + off, m, v, len, decay, beta1_, beta2_, step_size, inv_bc2_sqrt, eps_);
+    update(p + off, g + off, m, v, len, decay, beta1_, beta2_, step_size, inv_bc2_sqrt, eps_);
     v_scale[b] = quantize_block(QuantCode::kUnsignedSqrt, v, len, v_codes + off);
     for (int64_t j = 0; j < len; ++j) {
       if (v_codes[off + j] == 0) m[j] = 0.0f;

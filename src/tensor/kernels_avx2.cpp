@@ -1,5 +1,7 @@
 // The kernels of dtrain/tensor/kernels.h compiled for AVX2 and FMA, without AVX-512; CMakeLists.txt gives
 // this file its instruction-set flags.
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "dtrain/tensor/kernels.h"

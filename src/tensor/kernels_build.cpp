@@ -1,6 +1,6 @@
 // The kernels of dtrain/tensor/kernels.h compiled for the build's own flags (the CPUs with neither); CMakeLists.txt
 // gives this file its instruction-set flags.
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 

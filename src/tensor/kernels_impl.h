@@ -312,16 +312,67 @@ void sum_rows(const float* __restrict x, float* __restrict out, int64_t rows, in
   }
 }
 
+// One AdamW element; adamw and adamw_stream both use it, so they give the same bits.
+inline __attribute__((always_inline)) float adamw_one(float p, float g, float& m, float& v, float decay, float beta1,
+                                                      float beta2, float step_size, float inv_bc2_sqrt, float eps) {
+  const float pj = p * decay;
+  const float mj = beta1 * m + (1.0f - beta1) * g;
+  const float vj = beta2 * v + (1.0f - beta2) * g * g;
+  m = mj;
+  v = vj;
+  return pj - step_size * mj / (__builtin_sqrtf(vj) * inv_bc2_sqrt + eps);
+}
+
 void adamw(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
            float decay, float beta1, float beta2, float step_size, float inv_bc2_sqrt, float eps) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float pj = p[j] * decay;
-    const float mj = beta1 * m[j] + (1.0f - beta1) * g[j];
-    const float vj = beta2 * v[j] + (1.0f - beta2) * g[j] * g[j];
-    m[j] = mj;
-    v[j] = vj;
-    p[j] = pj - step_size * mj / (__builtin_sqrtf(vj) * inv_bc2_sqrt + eps);
+  for (int64_t j = 0; j < n; ++j)
+    p[j] = adamw_one(p[j], g[j], m[j], v[j], decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+}
+
+// dst[0, n) = src[0, n) with non-temporal stores where the vector unit has them (aligned body),
+// ordinary ones at the ends; fenced, so that the stores are visible before the caller's next
+// synchronisation.
+void stream_copy(float* __restrict dst, const float* __restrict src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX__)
+#if defined(__AVX512F__)
+  constexpr int64_t kLanes = 16;
+#else
+  constexpr int64_t kLanes = 8;
+#endif
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) % (kLanes * sizeof(float))) != 0; ++i) dst[i] = src[i];
+  for (; i + kLanes <= n; i += kLanes) {
+#if defined(__AVX512F__)
+    _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#else
+    _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+  }
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+#if defined(__AVX512F__) || defined(__AVX__)
+  _mm_sfence();
+#endif
+}
+
+// AdamW with p written by non-temporal stores: for parameters that other cores read next (one
+// copy shared by the ranks of a host), where an ordinary store must first take each cache line
+// away from the readers' caches. Computed in chunks that stay in L1, then streamed out.
+void adamw_stream(float* p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n, float decay,
+                  float beta1, float beta2, float step_size, float inv_bc2_sqrt, float eps) {
+  constexpr int64_t kChunk = 512;
+  alignas(64) float out[kChunk];
+  for (int64_t off = 0; off < n; off += kChunk) {
+    const int64_t len = n - off < kChunk ? n - off : kChunk;
+    const float* __restrict pin = p + off;
+    const float* __restrict gin = g + off;
+    float* __restrict mo = m + off;
+    float* __restrict vo = v + off;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j)
+      out[j] = adamw_one(pin[j], gin[j], mo[j], vo[j], decay, beta1, beta2, step_size, inv_bc2_sqrt, eps);
+    stream_copy(p + off, out, len);
   }
 }
 
@@ -360,6 +411,7 @@ const Table& make_table(const char* isa) {
                        add_into,
                        sum_rows,
                        adamw,
+                       adamw_stream,
                        round_to_bf16,
                        round_to_bf16_values};
   return t;

@@ -427,6 +427,9 @@ void Trainer::build_stage() {
                                                         cfg_.dp * cfg_.accumulate * cfg_.micro_batches);
   }
   optimizer_ = build_optimizer(cfg_, ddp_ ? ddp_->optimizer_params() : model_->parameters());
+  // ZeRO 1 and 3 on one host: the pieces are slices of the host's one copy, read next by the
+  // other ranks.
+  optimizer_->set_shared_parameters(ddp_ && ddp_->shares_parameters());
   if (!cfg_.offload.empty()) {
     // Inside step S the optimizer has counted S steps.
     optimizer_->set_state_storage(std::make_shared<ObservedStorage>(

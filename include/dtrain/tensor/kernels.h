@@ -46,6 +46,11 @@ struct Table {
   ///   p *= decay; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p -= step_size m / (sqrt(v) inv_bc2_sqrt + eps).
   void (*adamw)(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1, float beta2,
                 float step_size, float inv_bc2_sqrt, float eps);
+  /// The same update (the same bits) with p written by non-temporal stores, for parameters that
+  /// other processes read next (a host's one shared copy under ZeRO 1 and 3): an ordinary store
+  /// first takes each line out of the readers' caches, which costs more than the update.
+  void (*adamw_stream)(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1, float beta2,
+                       float step_size, float inv_bc2_sqrt, float eps);
   /// bf16 (round to nearest even) of rows x cols of src with row stride ld, packed into dst.
   void (*round_to_bf16)(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst);
   /// The same rounding with the values kept as f32.
