@@ -8,6 +8,12 @@
 
 namespace dtrain::comm {
 
+namespace {
+thread_local bool t_progress_thread = false;
+}  // namespace
+
+bool on_progress_thread() { return t_progress_thread; }
+
 // ---------------------------------------------------------------------------------- Work
 
 void Work::State::finish(std::exception_ptr e, bool dump) {
@@ -99,6 +105,7 @@ void Executor::abort(const std::string& reason) {
 
 void Executor::run() {
   ::pthread_setname_np(::pthread_self(), "dtrain-progress");  // as top, gdb and the tests see it
+  t_progress_thread = true;
   int idle_polls = 0;
   while (true) {
     std::optional<Task> task;

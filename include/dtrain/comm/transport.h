@@ -45,6 +45,13 @@ const char* name_of(TransportKind kind);
 /// "auto", "shm", "tcp" or "mpi"; throws dtrain::Error naming the text.
 TransportKind parse_transport(const std::string& text);
 
+/// True on a group's progress thread, which runs asynchronous operations while the process's
+/// own thread goes on computing: a transport waiting for peers there shares a core with that
+/// computation, so it yields its core at every turn instead of spinning (measured on 2 cores,
+/// PyTorch DDP on two ranks: spinning there took the GPT's backward 14% slower than a DDP hook
+/// that communicates nothing; yielding, 9%).
+bool on_progress_thread();
+
 /// Collectives that a transport runs natively instead of through point-to-point messages:
 /// the shm transport reduces straight from the ranks' shared staging buffers (each byte is
 /// copied into shared memory once and read from there, with no per-hop copies). The result

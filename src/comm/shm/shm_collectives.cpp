@@ -192,6 +192,7 @@ Collectives::Collectives(const Segment& segment, int rank, int size, std::functi
   int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   // A launcher that bound this rank to a slice of the CPUs says how many the job has.
   if (const char* all = std::getenv("DTRAIN_JOB_CPUS"); all != nullptr && std::atoi(all) > 0) cores = std::atoi(all);
+  cores_ = cores;
   oversubscribed_ = size_ > cores;
   stage_writes_ = stage_writes_from_env();
   streaming_ = stage_writes_ == StageWrites::streaming;
@@ -249,21 +250,24 @@ void Collectives::wait_until(uint64_t target, Deadline deadline, Ready&& ready) 
   const auto start = Clock::now();
   auto last_liveness = start;
   int idle = 0;
-  // With more ranks than cores the peers we wait for need our core: yield at every turn, and
-  // sleep only after kOversubscribedSpin (a futex wake-up costs a scheduler round trip, which
-  // dominates small collectives); otherwise spin, then yield now and then, then sleep.
-  const int spin_limit = oversubscribed_ ? std::numeric_limits<int>::max() : kSpinIterations;
+  // With more ranks than cores the peers we wait for need our core, and on the progress thread
+  // our own process's computation needs it when each rank's two threads outnumber the cores:
+  // yield at every turn, and sleep only after kOversubscribedSpin (a futex wake-up costs a
+  // scheduler round trip, which dominates small collectives); otherwise spin, then yield now
+  // and then, then sleep.
+  const bool share_core = oversubscribed_ || (on_progress_thread() && 2 * size_ > cores_);
+  const int spin_limit = share_core ? std::numeric_limits<int>::max() : kSpinIterations;
   for (uint64_t iteration = 1;; ++iteration) {
     // Arrival first: a peer that arrived and then aborted (e.g. on a call mismatch) still lets
     // this rank see the phase complete and report the mismatch from its own side.
     if (ready(cursor)) return;
     check_abort_();
     ++idle;
-    if (oversubscribed_) {
+    if (share_core) {
       ::sched_yield();
       if (iteration % 16 != 0) continue;
     }
-    if (iteration % kClockEvery == 0 || idle >= spin_limit || oversubscribed_) {
+    if (iteration % kClockEvery == 0 || idle >= spin_limit || share_core) {
       const auto now = Clock::now();
       if (now >= deadline) throw_stalled(target, now - start, true);
       if (now - last_liveness >= kLivenessPeriod) {
@@ -277,7 +281,7 @@ void Collectives::wait_until(uint64_t target, Deadline deadline, Ready&& ready) 
           }
         }
       }
-      if (idle >= spin_limit || (oversubscribed_ && now - start >= kOversubscribedSpin)) {
+      if (idle >= spin_limit || (share_core && now - start >= kOversubscribedSpin)) {
         idle = 0;
         RankSlot& me = seg_.rank(rank_);
         const uint32_t seq = me.futex.load(std::memory_order_acquire);
@@ -293,7 +297,7 @@ void Collectives::wait_until(uint64_t target, Deadline deadline, Ready&& ready) 
         continue;
       }
     }
-    if (oversubscribed_) continue;
+    if (share_core) continue;
     if (idle >= kYieldAfter && idle % kYieldEvery == 0) {
       ::sched_yield();
     } else {

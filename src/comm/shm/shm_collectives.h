@@ -80,6 +80,7 @@ class Collectives final : public DirectCollectives, public MappedCollectives {
   uint64_t chunk_ = 0;           // chunks moved; the parity selects the staging slot
   uint64_t line_calls_ = 0;      // all_reduces in lines; the parity selects RankSlot::lines
   bool checked_ = true;          // whether the current call's records were compared
+  int cores_ = 1;                // the cores this process may run on (or the job's, DTRAIN_JOB_CPUS)
   bool oversubscribed_ = false;  // more ranks than cores this process may run on
   StageWrites stage_writes_ = StageWrites::automatic;
   bool streaming_ = false;        // stage large chunks with streaming stores
