@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "../src/comm/shm/shm_segment.h"
 #include "dtrain/comm/copy.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/transport.h"
@@ -253,6 +254,20 @@ std::vector<int> run_processes(int size, const std::function<void(Transport&)>& 
 // ---- data integrity ----
 
 class ShmPingPong : public ::testing::TestWithParam<size_t> {};
+
+TEST(ShmSegment, RanksThatOutnumberTheCoresGetLargerStagingSlotsWhenDevShmHoldsThem) {
+  namespace shm = dtrain::comm::shm;
+  const size_t big = shm::kOversubscribedStageBytes, gib = size_t{1} << 30;
+  EXPECT_EQ(shm::default_stage_bytes(2, 2, gib), shm::kDefaultStageBytes);  // a core each
+  EXPECT_EQ(shm::default_stage_bytes(4, 8, gib), shm::kDefaultStageBytes);
+  EXPECT_EQ(shm::default_stage_bytes(4, 2, gib), big);
+  EXPECT_EQ(shm::default_stage_bytes(3, 2, gib), big);
+  // Four times the 4 x 2 larger slots must be free, or the group keeps the small ones.
+  EXPECT_EQ(shm::default_stage_bytes(4, 2, 4 * 8 * big), big);
+  EXPECT_EQ(shm::default_stage_bytes(4, 2, 4 * 8 * big - 1), shm::kDefaultStageBytes);
+  EXPECT_EQ(shm::default_stage_bytes(4, 2, 0), shm::kDefaultStageBytes);
+  EXPECT_GT(big, shm::kDefaultStageBytes);
+}
 
 // copy_bytes takes its own loop where the destination lies 1-63 bytes after the source modulo
 // 4 KiB (glibc's rep movsb is 10-20x slower there on AMD); copy_streaming writes around its

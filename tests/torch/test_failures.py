@@ -166,8 +166,15 @@ def run(fn, n, backend, timeout_s, expect_codes=None, join_s=240):
     ctx = mp.get_context("fork")
     report, when = ctx.Queue(), ctx.Value("d", 0.0)
     # file://: the store outlives the ranks that leave early (tcp:// has rank 0 serve it).
-    util.run_world(fn, n, backend, report, when, backend=backend, init="file", timeout_s=timeout_s,
-                   expect_codes=expect_codes, join_s=join_s)
+    try:
+        util.run_world(fn, n, backend, report, when, backend=backend, init="file", timeout_s=timeout_s,
+                       expect_codes=expect_codes, join_s=join_s)
+    except AssertionError as e:
+        if backend == "dtrain":
+            raise
+        # What gloo does is printed, not asserted: on a loaded machine its rendezvous may miss a
+        # 3 s timeout, or a rank may end otherwise than the others; say so and go on.
+        print(f"{backend}: the world ended otherwise than expected: {str(e).splitlines()[0]}", flush=True)
     out = []
     while not report.empty():
         out.append(report.get())

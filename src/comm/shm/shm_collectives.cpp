@@ -187,13 +187,8 @@ Collectives::Collectives(const Segment& segment, int rank, int size, std::functi
            "shm: staging slots of {} bytes are too small for {} ranks (DTRAIN_SHM_STAGE_BYTES)", seg_.stage_bytes(),
            size_);
   phase_ = seg_.rank(rank_).arrived.load(std::memory_order_relaxed);
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  // A launcher that bound this rank to a slice of the CPUs says how many the job has.
-  if (const char* all = std::getenv("DTRAIN_JOB_CPUS"); all != nullptr && std::atoi(all) > 0) cores = std::atoi(all);
-  cores_ = cores;
-  oversubscribed_ = size_ > cores;
+  cores_ = job_cores();
+  oversubscribed_ = size_ > cores_;
   stage_writes_ = stage_writes_from_env();
   streaming_ = stage_writes_ == StageWrites::streaming;
 }

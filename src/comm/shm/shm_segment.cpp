@@ -4,9 +4,11 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -232,8 +234,29 @@ size_t ring_bytes_from_env() {
   return power_of_two_from_env("DTRAIN_SHM_RING_BYTES", kDefaultRingBytes, kMinRingBytes, kMaxRingBytes);
 }
 
-size_t stage_bytes_from_env() {
-  return power_of_two_from_env("DTRAIN_SHM_STAGE_BYTES", kDefaultStageBytes, kMinStageBytes, kMaxStageBytes);
+size_t default_stage_bytes(int size, int cores, size_t shm_free_bytes) {
+  if (size <= cores) return kDefaultStageBytes;
+  const size_t slots = static_cast<size_t>(size) * 2;
+  return shm_free_bytes / 4 >= slots * kOversubscribedStageBytes ? kOversubscribedStageBytes : kDefaultStageBytes;
+}
+
+int job_cores() {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  if (const char* all = std::getenv("DTRAIN_JOB_CPUS"); all != nullptr && std::atoi(all) > 0) cores = std::atoi(all);
+  return cores;
+}
+
+size_t stage_bytes_from_env(int size) {
+  const char* text = std::getenv("DTRAIN_SHM_STAGE_BYTES");
+  if (text != nullptr && *text != '\0') {
+    return power_of_two_from_env("DTRAIN_SHM_STAGE_BYTES", kDefaultStageBytes, kMinStageBytes, kMaxStageBytes);
+  }
+  struct statvfs fs {};
+  const size_t free_bytes =
+      ::statvfs("/dev/shm", &fs) == 0 ? static_cast<size_t>(fs.f_bavail) * static_cast<size_t>(fs.f_frsize) : 0;
+  return default_stage_bytes(size, job_cores(), free_bytes);
 }
 
 void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, Duration timeout) {

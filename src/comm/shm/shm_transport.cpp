@@ -589,7 +589,7 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& p
   Segment seg = rendezvous<Segment>(
       store, prefix, "segment", rank, size, timeout,
       [&](const std::string& name) {
-        Segment created = Segment::create(name, size, shm::ring_bytes_from_env(), shm::stage_bytes_from_env());
+        Segment created = Segment::create(name, size, shm::ring_bytes_from_env(), shm::stage_bytes_from_env(size));
         join(created, 0);
         return created;
       },
