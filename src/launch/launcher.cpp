@@ -449,7 +449,7 @@ void Launch::exec_worker(const Worker& w, int local, const int out[2], const int
   ::dup2(err[1], STDERR_FILENO);
   if (!cpus_.empty()) {
     (void)::sched_setaffinity(0, sizeof(cpu_set_t), &cpus_[static_cast<size_t>(local)]);
-    ::setenv("DTRAIN_JOB_CPUS", std::to_string(job_cpus_).c_str(), 1);  // not its slice: see shm_collectives
+    ::setenv("DTRAIN_JOB_CPUS", std::to_string(job_cpus_).c_str(), 1);  // not its slice: see shm::job_cores
   }
   ::setenv("RANK", std::to_string(w.rank).c_str(), 1);
   ::setenv("WORLD_SIZE", std::to_string(world_).c_str(), 1);

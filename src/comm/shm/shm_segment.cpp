@@ -249,9 +249,9 @@ int job_cores() {
 }
 
 size_t stage_bytes_from_env(int size) {
-  const char* text = std::getenv("DTRAIN_SHM_STAGE_BYTES");
-  if (text != nullptr && *text != '\0') {
-    return power_of_two_from_env("DTRAIN_SHM_STAGE_BYTES", kDefaultStageBytes, kMinStageBytes, kMaxStageBytes);
+  // 0: not set (a set value is a power of two of at least kMinStageBytes).
+  if (const size_t set = power_of_two_from_env("DTRAIN_SHM_STAGE_BYTES", 0, kMinStageBytes, kMaxStageBytes); set != 0) {
+    return set;
   }
   struct statvfs fs {};
   const size_t free_bytes =
