@@ -5,14 +5,18 @@
 
 coll: torch.distributed.all_reduce (float32, sum, in place) on N processes (forked, init
       tcp://127.0.0.1), one thread each: p50 latency at 8 B .. 8 KiB and busbw at 1 MiB .. 256 MiB.
-      Each size: warm-up iterations, one verified run (small integers, exact sums), then timed
+      Each size: one verified run (small integers, exact sums), warm-up iterations, then timed
       iterations, each after a barrier; an iteration's time is the slowest rank's; busbw =
-      bytes / p50 x 2(n-1)/n.
+      bytes / p50 x 2(n-1)/n. From 1 MiB: about --bw-seconds (1 s) of timed calls per size, at
+      least --bw-iters (10) and at most --bw-max-iters (200), the count agreed by the ranks.
 ddp:  bench/torch_reference.py --dp N (DistributedDataParallel, SGD, one thread per process):
       the MLP 784-1024-1024-10 (64 per rank), the byte GPT (L4 C128 T128, 16 per rank) and
       torchvision's ResNet-18 on generated 32x32 images (16 per rank); samples/s after warm-up.
       --ceiling adds a third run of each job whose DDP hook communicates nothing: the samples/s
-      that no backend can beat, so a target above it is out of any backend's reach.
+      that no backend can beat, so a target above it is out of any backend's reach; and, from
+      the same run, "in step": the samples/s had its ranks waited for each other at every step
+      (each step as long as its slowest rank's), what a backend that moves the gradients in no
+      time still gets, since an all_reduce makes every rank wait for the last one.
 
 Every repeat runs both backends for each configuration back to back, alternating which goes
 first, so that load from elsewhere on the machine hits both alike. Cells are medians over the
@@ -27,6 +31,7 @@ or --dtrain-python).
 """
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -105,8 +110,17 @@ def coll_rank(rank, n, backend, port, a, queue):
         want = sum((((i + 3 * r) % 17) - 8) for r in range(n)).to(torch.float32)
         wrong = int((x != want).sum())
         x.zero_()
+        t_warm = time.perf_counter()
         for _ in range(warm):
             dist.all_reduce(x)
+        if not small and warm > 0 and a.bw_seconds > 0:
+            # Enough timed calls for a stable median where a call is short: about bw_seconds of
+            # them, at least bw_iters, at most bw_max_iters; every rank takes the largest count.
+            per_call = (time.perf_counter() - t_warm) / warm
+            want = torch.tensor([min(a.bw_max_iters, max(iters, math.ceil(a.bw_seconds / max(per_call, 1e-9))))],
+                                dtype=torch.int64)
+            dist.all_reduce(want, op=dist.ReduceOp.MAX)
+            iters = int(want.item())
         times = []
         for _ in range(iters):
             dist.barrier()
@@ -164,7 +178,8 @@ def ddp_run(job, backend, n, a, seed):
     if p.returncode != 0:
         raise RuntimeError(f"{job} {backend} x{n} exited {p.returncode}:\n{p.stderr[-3000:]}")
     rec = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
-    return {"samples_per_s": rec["samples_per_s_after_warmup"], "final_loss": rec["losses"][-1]}
+    return {"samples_per_s": rec["samples_per_s_after_warmup"], "final_loss": rec["losses"][-1],
+            "lockstep": rec.get("samples_per_s_lockstep")}
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -180,8 +195,13 @@ def main():
                    default=256 << 20, help="largest all_reduce (bytes, or with suffix M)")
     p.add_argument("--lat-iters", type=int, default=200)
     p.add_argument("--lat-warmup", type=int, default=20)
-    p.add_argument("--bw-iters", type=int, default=10)
-    p.add_argument("--bw-warmup", type=int, default=2)
+    p.add_argument("--bw-iters", type=int, default=10, help="fewest timed all_reduces per size from 1 MiB")
+    p.add_argument("--bw-seconds", type=float, default=1.0,
+                   help="from 1 MiB: time about this many seconds of all_reduces per size (more than --bw-iters "
+                        "where calls are short: with 4 ranks on 2 cores a median of 10 calls of a few ms moves "
+                        "by 20%% between runs); 0: exactly --bw-iters")
+    p.add_argument("--bw-max-iters", type=int, default=200, help="most timed all_reduces per size from 1 MiB")
+    p.add_argument("--bw-warmup", type=int, default=3)
     p.add_argument("--mlp-steps", type=int, default=110)
     p.add_argument("--gpt-steps", type=int, default=40)
     p.add_argument("--resnet18-steps", type=int, default=25)
@@ -240,7 +260,9 @@ def main():
             for n in ddp_worlds:
                 result["ddp"][f"{j} x{n}"] = {
                     b: {"samples_per_s": summary([x["samples_per_s"] for x in raw[(j, b, n)]]),
-                        "final_loss": [x["final_loss"] for x in raw[(j, b, n)]]} for b in ddp_backends}
+                        "final_loss": [x["final_loss"] for x in raw[(j, b, n)]],
+                        "lockstep": summary([x["lockstep"] for x in raw[(j, b, n)]])
+                        if all(x.get("lockstep") for x in raw[(j, b, n)]) else None} for b in ddp_backends}
 
     # ---- report
     print(f"dtrain vs gloo through torch.distributed (PyTorch {torch.__version__}), {a.repeats} repeats, "
@@ -288,6 +310,12 @@ def main():
                 print(f"{'no comm.':>14} {fmt(c, 1):>26} {'':>26} {cell['ceiling_ratio']:>6.2f}x  (a DDP hook that "
                       f"communicates nothing: no backend beats it; dtrain reaches "
                       f"{d['samples_per_s']['median'] / c['median']:.0%} of it)")
+                ls = cell["ceiling"].get("lockstep")
+                if ls:
+                    cell["lockstep_ratio"] = ls["median"] / g["samples_per_s"]["median"]
+                    print(f"{'  in step':>14} {fmt(ls, 1):>26} {'':>26} {cell['lockstep_ratio']:>6.2f}x  (the same "
+                          f"steps had the ranks waited for each other at each: step k taking its slowest rank's "
+                          f"time; dtrain reaches {d['samples_per_s']['median'] / ls['median']:.0%} of it)")
             job = name.split()[0]
             if name.endswith("x2"):
                 checks.append((f"DDP {name} samples/s >= {TARGETS[job]}x gloo", ratio, ratio >= TARGETS[job]))

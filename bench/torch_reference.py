@@ -384,6 +384,12 @@ def dp_worker(rank, args, port):
                 fut.set_result(bucket.buffer())
                 return fut
             net.register_comm_hook(None, noop_hook)
+        elif args.comm_hook == "sync":  # one element all_reduced per bucket, the gradients kept: the ranks
+            one = torch.zeros(1)      # keep step as with any backend, moving (almost) no data
+
+            def sync_hook(_state, bucket):
+                return dist.all_reduce(one, async_op=True).get_future().then(lambda _: bucket.buffer())
+            net.register_comm_hook(None, sync_hook)
         elif args.comm_hook != "none":  # dtrain's compressed all_reduce with error feedback
             net.register_comm_hook(dtrain_torch.CompressionState(args.comm_hook), dtrain_torch.compression_hook)
     opt = make_optimizer(args, net.parameters())
@@ -415,11 +421,18 @@ def dp_worker(rank, args, port):
     tail = losses[-50:]
     mine = torch.tensor([sum(step_times), sum(step_times[warm:]), sum(tail) / len(tail),
                          float(peak_rss_bytes())], dtype=torch.float64)
+    # Every rank's time of each step after warm-up: had the ranks waited for each other at every
+    # step and for nothing else, step k would have taken the longest of them (the lock-step time).
+    timed_steps = torch.tensor(step_times[warm:], dtype=torch.float64)
     if world > 1:
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
+        all_steps = [torch.zeros_like(timed_steps) for _ in range(world)]
+        dist.all_gather(all_steps, timed_steps)
+        lockstep_s = torch.stack(all_steps).max(dim=0).values.sum().item()
     else:
         everyone = [mine]
+        lockstep_s = timed_steps.sum().item()
     if rank == 0:
         train_time, timed = mine[0].item(), mine[1].item()
         samples_per_s = args.steps * B / train_time
@@ -431,6 +444,7 @@ def dp_worker(rank, args, port):
                "train_loss": sum(e[2].item() for e in everyone) / world,
                "train_time_s": train_time, "samples_per_s": samples_per_s,
                "timed_steps": args.steps - warm, "timed_s": timed, "samples_per_s_after_warmup": rate_after,
+               "samples_per_s_lockstep": (args.steps - warm) * B / lockstep_s if lockstep_s > 0 else None,
                "train_time_s_per_rank": [e[0].item() for e in everyone],
                "peak_rss_bytes_per_rank": [int(e[3].item()) for e in everyone],
                "step_time_s_median": sorted(step_times[warm:])[len(step_times[warm:]) // 2],
@@ -499,10 +513,12 @@ def main():
         help="--backend dtrain: the folder holding the dtrain_torch package")
     p.add_argument("--launched", action="store_true",
                    help="--dp: started by a launcher (dtrain launch, torchrun) as one rank: env:// rendezvous")
-    p.add_argument("--comm-hook", choices=["none", "allreduce", "noop", "bf16", "fp16", "int8", "int4"],
+    p.add_argument("--comm-hook", choices=["none", "allreduce", "noop", "sync", "bf16", "fp16", "int8", "int4"],
                    default="none",
                    help="--dp: DDP communication hook: torch's allreduce_hook; noop, which communicates nothing "
-                        "(each rank keeps its own gradients: the throughput no backend can beat); or "
+                        "(each rank keeps its own gradients: the throughput no backend can beat); sync, which "
+                        "all_reduces one element per bucket through a Python future callback and keeps the gradients "
+                        "(the ranks keep step, as with any backend, and move almost no data); or "
                         "dtrain_torch.compression_hook with that codec (--backend dtrain)")
     p.add_argument("--image-size", type=int, default=32, help="resnet18: image side")
     p.add_argument("--images", type=int, default=2048, help="resnet18: generated images")
@@ -512,7 +528,7 @@ def main():
         args.batch_size = {"gpt": 16, "resnet18": 16}.get(args.model, 64)
     if args.lr is None:
         args.lr = 3e-4 if args.model == "gpt" else 1e-3
-    if args.comm_hook not in ("none", "allreduce", "noop") and args.backend != "dtrain":
+    if args.comm_hook not in ("none", "allreduce", "noop", "sync") and args.backend != "dtrain":
         sys.exit(f"--comm-hook {args.comm_hook} is dtrain's compressed all_reduce: it needs --backend dtrain")
     if args.model == "resnet18" and args.dp is None:
         sys.exit("--model resnet18 runs with --dp N (N >= 1)")
