@@ -11,7 +11,7 @@ Prints ONE JSON line shaped like dtrain's {"event":"final", ...} metrics record.
 `dtrain bench gemm`.
 
 `--dp N` (N >= 1) trains data-parallel like `dtrain train --dp N` instead: N processes
-(torch.multiprocessing spawn), DistributedDataParallel over gloo (tcp://127.0.0.1:<free port>),
+(torch.multiprocessing spawn), DistributedDataParallel over gloo (met through file://, a FileStore),
 one thread each, `--batch-size` the GLOBAL batch split over the ranks (rank r takes slice r of
 every global batch of one shared shuffled order, as dtrain does). `--dp 1` is one process
 without a process group or DDP wrapper (the baseline for scaling efficiency), timed the same
@@ -31,7 +31,6 @@ import json
 import math
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -296,12 +295,6 @@ def run_gemm(args):
 
 # ------------------------------------------------------------------------------ data parallel
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def generated_images(args):
     """--images images of 3 x S x S, N(0, 1), random labels of 10 classes, from --seed."""
     g = torch.Generator().manual_seed(args.seed + 2)
@@ -349,8 +342,9 @@ def dp_evaluate(args, model, held_out):
     return out
 
 
-def dp_worker(rank, args, port):
-    """One rank: trains, rank 0 prints the final JSON record."""
+def dp_worker(rank, args, init_method):
+    """One rank: trains, rank 0 prints the final JSON record. init_method None: under a launcher
+    (env://)."""
     torch.set_num_threads(args.threads)
     world = args.dp
     if world > 1:
@@ -359,8 +353,8 @@ def dp_worker(rank, args, port):
         if args.backend == "dtrain":
             sys.path.insert(0, args.dtrain_python)
             import dtrain_torch  # noqa: F401  registers the backend "dtrain"
-        if port:  # else under a launcher (dtrain launch, torchrun): env://
-            init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if init_method:  # else under a launcher (dtrain launch, torchrun): env://
+            init = dict(init_method=init_method, rank=rank, world_size=world)
         else:
             init = {}
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout), **init)
@@ -470,17 +464,22 @@ def run_dp(args):
     if args.steps < 1:
         sys.exit("--steps must be >= 1")
     if args.dp == 1:
-        dp_worker(0, args, 0)
+        dp_worker(0, args, None)
         return
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if args.launched:  # this process is one rank of a world a launcher started
         rank = int(os.environ["RANK"])
         if int(os.environ["WORLD_SIZE"]) != args.dp:
             sys.exit(f"--dp {args.dp} but WORLD_SIZE={os.environ['WORLD_SIZE']}")
-        dp_worker(rank, args, 0)
+        dp_worker(rank, args, None)
         return
+    import tempfile
     import torch.multiprocessing as mp
-    mp.spawn(dp_worker, args=(args, free_port()), nprocs=args.dp, join=True)
+    # The ranks meet through a file (torch's FileStore), not on a port found free here: rank 0
+    # binds it only later, and another program may take it in between (a CI run under ctest -j2
+    # failed so: "Address already in use", and a rank could reach that program instead).
+    with tempfile.TemporaryDirectory(prefix="torch_reference.") as d:
+        mp.spawn(dp_worker, args=(args, "file://" + os.path.join(d, "store")), nprocs=args.dp, join=True)
 
 
 def main():
