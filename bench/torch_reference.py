@@ -413,20 +413,17 @@ def dp_worker(rank, args, init_method):
         losses.append(val)
     warm = min(args.warmup, args.steps - 1)
     tail = losses[-50:]
+    # Four totals, then the time of each step after warm-up (one gather carries both).
     mine = torch.tensor([sum(step_times), sum(step_times[warm:]), sum(tail) / len(tail),
-                         float(peak_rss_bytes())], dtype=torch.float64)
-    # Every rank's time of each step after warm-up: had the ranks waited for each other at every
-    # step and for nothing else, step k would have taken the longest of them (the lock-step time).
-    timed_steps = torch.tensor(step_times[warm:], dtype=torch.float64)
+                         float(peak_rss_bytes())] + step_times[warm:], dtype=torch.float64)
     if world > 1:
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
-        all_steps = [torch.zeros_like(timed_steps) for _ in range(world)]
-        dist.all_gather(all_steps, timed_steps)
-        lockstep_s = torch.stack(all_steps).max(dim=0).values.sum().item()
     else:
         everyone = [mine]
-        lockstep_s = timed_steps.sum().item()
+    # Had the ranks waited for each other at every step and for nothing else, step k would have
+    # taken the longest of their times (the lock-step time).
+    lockstep_s = torch.stack(everyone)[:, 4:].max(dim=0).values.sum().item()
     if rank == 0:
         train_time, timed = mine[0].item(), mine[1].item()
         samples_per_s = args.steps * B / train_time
