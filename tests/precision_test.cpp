@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cli_util.h"
+#include "dtrain/core/error.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
@@ -79,6 +80,9 @@ TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
       {randn({48, 40}, 1), randn({24, 40}, 2), randn({24}, 3)}, /*the bias gradient, a sum*/ 3);
   expect_bf16_close("matmul", [](const std::vector<Tensor>& in) { return ops::matmul(in[0], in[1]); },
                     {randn({3, 20, 36}, 4), randn({3, 36, 28}, 5)});
+  // Head dimension 8 (qkv 96 = 3 x 32, 4 heads): bf16 products only with the threshold lowered to it.
+  const int64_t saved_dim = ops::attention_bf16_min_head_dim();
+  ops::set_attention_bf16_min_head_dim(8);
   expect_bf16_close("causal_attention", [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
                     {randn({2, 24, 96}, 6)});
   // The same in causal blocks of 10 rows (24 = 10 + 10 + 4).
@@ -88,6 +92,21 @@ TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
                     [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
                     {randn({2, 24, 96}, 6)});
   ops::set_attention_block_rows(saved);
+  ops::set_attention_bf16_min_head_dim(saved_dim);
+}
+
+// Below attention_bf16_min_head_dim() the attention's products stay f32 under bf16: output and
+// gradient bit for bit those of --precision f32; from it up, rounded (checked above).
+TEST(Bf16Ops, AttentionBelowTheBf16HeadDimensionIsF32BitForBit) {
+  const int64_t saved_dim = ops::attention_bf16_min_head_dim();
+  ops::set_attention_bf16_min_head_dim(9);  // head dimension 32 / 4 = 8: just below
+  const Forward f = [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); };
+  const std::vector<Tensor> in{randn({2, 24, 96}, 6)};
+  const auto f32 = run(f, in, Precision::f32), bf16 = run(f, in, Precision::bf16);
+  ops::set_attention_bf16_min_head_dim(saved_dim);
+  ASSERT_EQ(f32.size(), bf16.size());
+  for (size_t i = 0; i < f32.size(); ++i) EXPECT_EQ(bf16[i], f32[i]) << (i == 0 ? "output" : "gradient");
+  EXPECT_THROW(ops::set_attention_bf16_min_head_dim(0), Error);
 }
 
 // A whole GPT: its loss and the gradient of every parameter.

@@ -415,6 +415,13 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   sgemm_on(GemmBackend::automatic, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+void sgemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  profile::Scope scope(profile::Kind::matmul);
+  if (!product_to_run("sgemm_f32", trans_a, trans_b, m, n, k, lda, ldb, beta, c, ldc)) return;
+  detail::run_f32_library(GemmBackend::automatic, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
 void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                 const float* b, int64_t ldb, const float* bias, float* c) {
   profile::Scope scope(profile::Kind::matmul);

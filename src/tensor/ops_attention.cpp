@@ -8,8 +8,10 @@
 // Heads are read in place with leading dimension 3C, so no head is ever copied out. P is
 // saved (B, H, T, T) for the backward pass:
 //   dP = dO V^T; dS = P * (dP - rowsum(dP * P)); dQ = scale dS K; dK = scale dS^T Q; dV = P^T dO.
-// With bf16 products, qkv and dO are rounded to bf16 once (qkv is kept in bf16 for the backward),
-// and P and dS per head just before their products; softmax and its gradient stay f32.
+// With bf16 products (from a head dimension of attention_bf16_min_head_dim() up; below it the
+// products stay f32 under --precision bf16 too), qkv and dO are rounded to bf16 once (qkv is
+// kept in bf16 for the backward), and P and dS per head just before their products; softmax and
+// its gradient stay f32.
 //
 // Causal blocks: the rows are cut into blocks of attention_block_rows() (64) and each product
 // skips what the mask makes zero: the rows [r0, r1) of S and dP need only the keys [0, r1), the
@@ -46,19 +48,21 @@ struct Operand {
 const uint16_t* bits(const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); }
 
 int64_t g_block_rows = 64;
+int64_t g_bf16_min_head_dim = 128;
 
 // Operand `o` moved by `offset` elements (bf16 or f32 alike).
 Operand at(const Operand& o, int64_t offset) {
   return o.bf16 != nullptr ? Operand{o.bf16 + offset, o.ld} : Operand{o.f32 + offset, o.ld};
 }
 
-// C (M, N) = alpha op(A) op(B): sgemm on f32 operands, gemm_bf16 on bf16 ones.
+// C (M, N) = alpha op(A) op(B): f32 products on f32 operands (whatever --precision says: the
+// op chose them), gemm_bf16 on bf16 ones.
 void product(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Operand& a, const Operand& b,
              float* c, int64_t ldc) {
   if (a.bf16 != nullptr) {
     gemm_bf16(ta, tb, m, n, k, alpha, a.bf16, a.ld, b.bf16, b.ld, 0.0f, c, ldc);
   } else {
-    sgemm(ta, tb, m, n, k, alpha, a.f32, a.ld, b.f32, b.ld, 0.0f, c, ldc);
+    sgemm_f32(ta, tb, m, n, k, alpha, a.f32, a.ld, b.f32, b.ld, 0.0f, c, ldc);
   }
 }
 
@@ -133,6 +137,13 @@ struct AttentionBackward : Node {
 
 int64_t attention_block_rows() { return g_block_rows; }
 
+int64_t attention_bf16_min_head_dim() { return g_bf16_min_head_dim; }
+
+void set_attention_bf16_min_head_dim(int64_t head_dim) {
+  DT_CHECK(head_dim > 0, "tensor", "set_attention_bf16_min_head_dim: {}, expected at least 1", head_dim);
+  g_bf16_min_head_dim = head_dim;
+}
+
 void set_attention_block_rows(int64_t rows) {
   DT_CHECK(rows > 0, "tensor", "set_attention_block_rows: {} rows, expected at least 1", rows);
   g_block_rows = rows;
@@ -158,7 +169,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   const kernels::Table& kern = kernels::table();
   const int64_t block = g_block_rows;
   // bf16 products: qkv rounded once (and kept for the backward instead of its f32 values), P per head.
-  const bool bf16 = matmul_precision() == Precision::bf16;
+  const bool bf16 = matmul_precision() == Precision::bf16 && hd >= g_bf16_min_head_dim;
   const Tensor qkv16 = bf16 ? qkv.to(DType::bf16) : Tensor();
   std::vector<uint16_t> p16(bf16 ? static_cast<size_t>(T * T) : 0);
   auto heads = [&](int64_t offset) {

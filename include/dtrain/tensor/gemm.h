@@ -61,6 +61,10 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 /// added to it (beta 1). The two differ in the last bits, like the two libraries.
 void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                 const float* b, int64_t ldb, const float* bias, float* c);
+/// sgemm in f32 whatever matmul_precision() says: for an op whose products are faster in f32
+/// at its shapes (causal_attention's per-head products below attention_bf16_min_head_dim()).
+void sgemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 /// The same product on one named library (automatic: as sgemm), whatever the policy.
 void sgemm_on(GemmBackend library, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
               const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);

@@ -59,6 +59,13 @@ Tensor causal_attention(const Tensor& qkv, int64_t n_head);
 /// block. Settable for tests (small blocks on small inputs); not thread-safe.
 int64_t attention_block_rows();
 void set_attention_block_rows(int64_t rows);
+/// Under --precision bf16, causal_attention's products are bf16 from this head dimension (C / H)
+/// up (128) and f32 below it: its per-head products are small (block rows x keys x head
+/// dimension), where a bf16 product's fixed costs (rounding, packing, oneDNN's call) outweigh its
+/// faster arithmetic. Measured on the byte GPT (AMD EPYC, AVX512_BF16): head dimension 32, f32
+/// products 11% faster per step; 64, 2%; 128, bf16 4% faster. Settable for tests; not thread-safe.
+int64_t attention_bf16_min_head_dim();
+void set_attention_bf16_min_head_dim(int64_t head_dim);
 /// Zeroes elements with probability p and scales the rest by 1/(1-p); identity if !training.
 Tensor dropout(const Tensor& a, float p, bool training, Generator& gen);
 
