@@ -28,6 +28,8 @@ def parse(doc, repeats, out_name):
     p.add_argument("--dtrain", default=os.path.join(os.path.dirname(here), "build", "release", "dtrain"))
     p.add_argument("--out", default=os.path.join(here, "results", out_name))
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="dtrain's runs with --profile (time per op kind in each final record)")
     a = p.parse_args()
     if not os.access(a.dtrain, os.X_OK):
         sys.exit(f"{a.dtrain}: not built (make build)")
@@ -47,7 +49,7 @@ def job_args(job, a, seed):
 
 def train(a, job, flag, value, seed, log):
     """One run of `job` with `flag value`: its final metrics record, with wait4's peak RSS and the wall time."""
-    return train_final(a.dtrain, job_args(job, a, seed) + [flag, value], log)
+    return train_final(a.dtrain, job_args(job, a, seed) + [flag, value] + (["--profile"] if a.profile else []), log)
 
 
 def alternate(a, jobs, flag, values, log):
