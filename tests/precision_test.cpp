@@ -166,6 +166,10 @@ TEST_F(PrecisionCli, Bf16TrainsOnEveryLayoutLikeOneBf16ProcessAndResumesBitwise)
   EXPECT_EQ(f["precision"], "bf16");
   EXPECT_FALSE(f["bf16_route"].get<std::string>().empty());
   EXPECT_NE(one.output.find("bf16 products"), std::string::npos) << "the route was not logged:\n" << one.output;
+  // Head dimension 32 / 4 = 8, below ops::attention_bf16_min_head_dim(): the attention's products f32, and said.
+  EXPECT_EQ(f["bf16_attention"], false);
+  EXPECT_NE(one.output.find("the attention's products stay f32 (head dimension 8 < 128"), std::string::npos)
+      << one.output;
   EXPECT_TRUE(std::isfinite(f["val_loss"].get<double>()));
   ProcessResult f32 = dtrain(base + " --save " + path("f32.dtm"));
   ASSERT_EQ(f32.code, 0) << f32.output;

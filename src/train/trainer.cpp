@@ -605,6 +605,13 @@ void Trainer::announce() const {
   DT_LOG_INFO("training {} ({} parameters on this rank) on {} ({} samples), {} steps of batch {}, {} per epoch{}",
               cfg_.model, model_->num_parameters(), cfg_.data, src_.train->size(), total_steps_, batch_,
               steps_per_epoch_, layout);
+  if (precision_ == Precision::bf16 && cfg_.model == "gpt" &&
+      cfg_.width / cfg_.heads < ops::attention_bf16_min_head_dim()) {
+    DT_LOG_INFO(
+        "bf16: the attention's products stay f32 (head dimension {} < {}, where f32 is faster); every "
+        "linear layer's are bf16",
+        cfg_.width / cfg_.heads, ops::attention_bf16_min_head_dim());
+  }
 }
 
 // ------------------------------------------------------------------ one step
@@ -1026,7 +1033,11 @@ nlohmann::json Trainer::final_record() {
                         {"peak_isa", peak_probe_isa(peak_precision)},
                         {"mfu", result_.mfu},
                         {"gemm", gemm_backend_name(gemm_backend())}};
-  if (precision_ == Precision::bf16) record["bf16_route"] = bf16_products_route();
+  if (precision_ == Precision::bf16) {
+    record["bf16_route"] = bf16_products_route();
+    if (cfg_.model == "gpt")  // which of the attention's products are bf16 (ops::attention_bf16_min_head_dim)
+      record["bf16_attention"] = cfg_.width / cfg_.heads >= ops::attention_bf16_min_head_dim();
+  }
   return record;
 }
 
