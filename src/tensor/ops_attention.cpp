@@ -144,6 +144,10 @@ void set_attention_bf16_min_head_dim(int64_t head_dim) {
   g_bf16_min_head_dim = head_dim;
 }
 
+bool attention_products_bf16(int64_t head_dim) {
+  return matmul_precision() == Precision::bf16 && head_dim >= g_bf16_min_head_dim;
+}
+
 void set_attention_block_rows(int64_t rows) {
   DT_CHECK(rows > 0, "tensor", "set_attention_block_rows: {} rows, expected at least 1", rows);
   g_block_rows = rows;
@@ -169,7 +173,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   const kernels::Table& kern = kernels::table();
   const int64_t block = g_block_rows;
   // bf16 products: qkv rounded once (and kept for the backward instead of its f32 values), P per head.
-  const bool bf16 = matmul_precision() == Precision::bf16 && hd >= g_bf16_min_head_dim;
+  const bool bf16 = attention_products_bf16(hd);
   const Tensor qkv16 = bf16 ? qkv.to(DType::bf16) : Tensor();
   std::vector<uint16_t> p16(bf16 ? static_cast<size_t>(T * T) : 0);
   auto heads = [&](int64_t offset) {

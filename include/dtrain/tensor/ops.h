@@ -66,6 +66,9 @@ void set_attention_block_rows(int64_t rows);
 /// products 11% faster per step; 64, 2%; 128, bf16 4% faster. Settable for tests; not thread-safe.
 int64_t attention_bf16_min_head_dim();
 void set_attention_bf16_min_head_dim(int64_t head_dim);
+/// Whether causal_attention's products at this head dimension are bf16 now: --precision bf16 and
+/// head_dim >= attention_bf16_min_head_dim().
+bool attention_products_bf16(int64_t head_dim);
 /// Zeroes elements with probability p and scales the rest by 1/(1-p); identity if !training.
 Tensor dropout(const Tensor& a, float p, bool training, Generator& gen);
 
