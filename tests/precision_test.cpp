@@ -80,18 +80,24 @@ TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
       {randn({48, 40}, 1), randn({24, 40}, 2), randn({24}, 3)}, /*the bias gradient, a sum*/ 3);
   expect_bf16_close("matmul", [](const std::vector<Tensor>& in) { return ops::matmul(in[0], in[1]); },
                     {randn({3, 20, 36}, 4), randn({3, 36, 28}, 5)});
-  // Head dimension 8 (qkv 96 = 3 x 32, 4 heads): bf16 products only with the threshold lowered to it.
+  // Head dimension 8 (qkv 96 = 3 x 32, 4 heads): bf16 products from a threshold of 8 down. On
+  // dtrain's AVX512_BF16 kernel where the CPU has it, and on the library's products block by block.
   const int64_t saved_dim = ops::attention_bf16_min_head_dim();
   ops::set_attention_bf16_min_head_dim(8);
-  expect_bf16_close("causal_attention", [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
-                    {randn({2, 24, 96}, 6)});
-  // The same in causal blocks of 10 rows (24 = 10 + 10 + 4).
-  const int64_t saved = ops::attention_block_rows();
-  ops::set_attention_block_rows(10);
-  expect_bf16_close("causal_attention in blocks",
-                    [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
-                    {randn({2, 24, 96}, 6)});
-  ops::set_attention_block_rows(saved);
+  for (const bool kernel : {true, false}) {
+    if (kernel && !ops::attention_bf16_kernel()) continue;  // this CPU: the library's route only
+    ops::set_attention_bf16_kernel(kernel);
+    expect_bf16_close("causal_attention", [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
+                      {randn({2, 24, 96}, 6)});
+    // The same in causal blocks of 10 rows (24 = 10 + 10 + 4; the library's route).
+    const int64_t saved = ops::attention_block_rows();
+    ops::set_attention_block_rows(10);
+    expect_bf16_close("causal_attention in blocks",
+                      [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
+                      {randn({2, 24, 96}, 6)});
+    ops::set_attention_block_rows(saved);
+  }
+  ops::set_attention_bf16_kernel(true);
   ops::set_attention_bf16_min_head_dim(saved_dim);
 }
 
@@ -106,7 +112,44 @@ TEST(Bf16Ops, AttentionBelowTheBf16HeadDimensionIsF32BitForBit) {
   ops::set_attention_bf16_min_head_dim(saved_dim);
   ASSERT_EQ(f32.size(), bf16.size());
   for (size_t i = 0; i < f32.size(); ++i) EXPECT_EQ(bf16[i], f32[i]) << (i == 0 ? "output" : "gradient");
-  EXPECT_THROW(ops::set_attention_bf16_min_head_dim(0), Error);
+  EXPECT_THROW(ops::set_attention_bf16_min_head_dim(-1), Error);
+}
+
+// dtrain's own AVX512_BF16 attention kernel (ops::attention_bf16_kernel) against the library's
+// products on the same bf16 operands: the same rounding of qkv, dO, P and dS, so the two differ
+// only in the order of their f32 sums (on the AMD EPYC of stop 39 not at all: oneDNN's bf16
+// kernel sums the same pairs in the same order, and the two agree bit for bit). On shapes
+// that cut its 8-row tiles, its 16-column vectors and its pairs of k: odd T and head dimensions,
+// one row, T below and above a tile, head dimensions 5 to 128. Each within bf16's bound of f32 too.
+TEST(Bf16Ops, AttentionKernelMatchesLibraryProductsOnEveryShape) {
+  if (!ops::attention_bf16_kernel())
+    GTEST_SKIP() << "this CPU has no AVX512_BF16 (or the kernels are capped below AVX-512)";
+  struct Case {
+    int64_t b, t, c, h;
+  };
+  const Case cases[] = {{2, 24, 32, 4}, {1, 23, 15, 3},  {2, 37, 66, 2}, {1, 5, 8, 1},
+                        {1, 1, 4, 1},   {1, 40, 128, 1}, {2, 17, 64, 1}};
+  const int64_t saved_dim = ops::attention_bf16_min_head_dim();
+  ops::set_attention_bf16_min_head_dim(1);
+  for (const Case& k : cases) {
+    const int64_t heads = k.h;
+    const Forward f = [heads](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], heads); };
+    const std::vector<Tensor> in{randn({k.b, k.t, 3 * k.c}, 10 + static_cast<uint64_t>(k.t))};
+    const auto dot = run(f, in, Precision::bf16);
+    ops::set_attention_bf16_kernel(false);
+    const auto library = run(f, in, Precision::bf16);
+    ops::set_attention_bf16_kernel(true);
+    const auto f32 = run(f, in, Precision::f32);
+    for (size_t i = 0; i < dot.size(); ++i) {
+      const char* what = i == 0 ? "output" : "gradient";
+      EXPECT_LT(relative_error(dot[i], library[i]), 1e-5)
+          << what << " B " << k.b << " T " << k.t << " C " << k.c << " H " << k.h;
+      EXPECT_LT(relative_error(dot[i], f32[i]), std::ldexp(1.0, -5)) << what << " T " << k.t << " C " << k.c;
+      EXPECT_GT(relative_error(dot[i], f32[i]), 1e-6)
+          << what << " T " << k.t << " C " << k.c << ": not rounded to bf16";
+    }
+  }
+  ops::set_attention_bf16_min_head_dim(saved_dim);
 }
 
 // A whole GPT: its loss and the gradient of every parameter.
@@ -166,10 +209,19 @@ TEST_F(PrecisionCli, Bf16TrainsOnEveryLayoutLikeOneBf16ProcessAndResumesBitwise)
   EXPECT_EQ(f["precision"], "bf16");
   EXPECT_FALSE(f["bf16_route"].get<std::string>().empty());
   EXPECT_NE(one.output.find("bf16 products"), std::string::npos) << "the route was not logged:\n" << one.output;
-  // Head dimension 32 / 4 = 8, below ops::attention_bf16_min_head_dim(): the attention's products f32, and said.
-  EXPECT_EQ(f["bf16_attention"], false);
-  EXPECT_NE(one.output.find("the attention's products stay f32 (head dimension 8 < 128"), std::string::npos)
-      << one.output;
+  // Head dimension 32 / 4 = 8: the attention's products bf16 on dtrain's kernel where this CPU
+  // has AVX512_BF16; elsewhere below ops::attention_bf16_min_head_dim() (128), so f32. Either way said.
+  if (dtrain::ops::attention_bf16_kernel()) {
+    EXPECT_EQ(f["bf16_attention"], true);
+    EXPECT_EQ(f["bf16_attention_route"], "dtrain's AVX512_BF16 kernel");
+    EXPECT_NE(one.output.find("the attention's products are bf16 on dtrain's AVX512_BF16 kernel"), std::string::npos)
+        << one.output;
+  } else {
+    EXPECT_EQ(f["bf16_attention"], false);
+    EXPECT_EQ(f["bf16_attention_route"], "f32");
+    EXPECT_NE(one.output.find("the attention's products stay f32 (head dimension 8 < 128"), std::string::npos)
+        << one.output;
+  }
   EXPECT_TRUE(std::isfinite(f["val_loss"].get<double>()));
   ProcessResult f32 = dtrain(base + " --save " + path("f32.dtm"));
   ASSERT_EQ(f32.code, 0) << f32.output;

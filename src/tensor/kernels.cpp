@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "bf16_dot.h"
 #include "dtrain/core/error.h"
 
 namespace dtrain::kernels {
@@ -74,3 +75,17 @@ const Table* table_for(std::string_view isa) {
 }
 
 }  // namespace dtrain::kernels
+
+namespace dtrain::detail {
+
+bool bf16_dot_available() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool ok =
+      std::string_view(kernels::table().isa) == "avx512" && __builtin_cpu_supports("avx512bf16") != 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace dtrain::detail

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "dtrain/tensor/kernels.h"
+#include "exp16.h"
 
 namespace dtrain::kernels::avx2 {
 #include "kernels_impl.h"

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "dtrain/tensor/kernels.h"
+#include "exp16.h"
 
 namespace dtrain::kernels::build {
 #include "kernels_impl.h"

@@ -4,8 +4,9 @@
 // Loops over a row are `omp simd` (-fopenmp-simd: vectorisation only, no OpenMP runtime), sums
 // included: a row's sum is kept in vector lanes and added up at the end, which is what makes them
 // fast, and why their last bits depend on the vector width. Everything here has internal linkage
-// and calls no inline function from another header: an out-of-line copy of such a function,
-// compiled with AVX-512 in one file, could be the one the linker keeps for all of them.
+// and calls no inline function from another header with external linkage (exp16.h's has
+// internal linkage): an out-of-line copy of such a function, compiled with AVX-512 in one file,
+// could be the one the linker keeps for all of them.
 //
 // Where the file is compiled with AVX-512 (__AVX512F__), GELU and the softmax's exponentials also
 // have a loop written with intrinsics (exp16: vscalefps for the power of two, which `omp simd`
@@ -42,28 +43,8 @@ inline float exp_v(float x) {
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
 
 #if defined(__AVX512F__)
-// exp_v on 16 lanes: the same clamp, reduction and polynomial, the power of two applied by
-// vscalefps instead of building it from the exponent bits. A NaN stays NaN (max and min return
-// their second operand when one is NaN: x is passed second).
-inline __m512 exp16(__m512 x) {
-  // The masked forms with every lane set: GCC 12's unmasked ones pass an undefined vector that
-  // -Wmaybe-uninitialized reports.
-  constexpr __mmask16 all = 0xffff;
-  x = _mm512_mask_max_ps(x, all, _mm512_set1_ps(-87.0f), x);
-  x = _mm512_mask_min_ps(x, all, _mm512_set1_ps(88.0f), x);
-  const __m512 xl = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_mask_roundscale_ps(xl, all, xl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_mask_scalef_ps(p, all, p, n);
-}
+// exp16 (exp16.h): exp_v on 16 lanes.
+using simd::exp16;
 
 // The logistic s = 1 / (1 + e^(-2u)) of GELU's tanh form at v, u = sqrt(2/pi) (v + 0.044715 v^3).
 inline __m512 gelu_s16(__m512 v) {

@@ -11,7 +11,8 @@
 // With bf16 products (from a head dimension of attention_bf16_min_head_dim() up; below it the
 // products stay f32 under --precision bf16 too), qkv and dO are rounded to bf16 once (qkv is
 // kept in bf16 for the backward), and P and dS per head just before their products; softmax and
-// its gradient stay f32.
+// its gradient stay f32. Where the CPU has AVX512_BF16 they run on dtrain's own kernel (see
+// forward_head_dot below); elsewhere on gemm_bf16, block by block as follows.
 //
 // Causal blocks: the rows are cut into blocks of attention_block_rows() (64) and each product
 // skips what the mask makes zero: the rows [r0, r1) of S and dP need only the keys [0, r1), the
@@ -24,6 +25,7 @@
 #include <cmath>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
@@ -48,7 +50,8 @@ struct Operand {
 const uint16_t* bits(const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); }
 
 int64_t g_block_rows = 64;
-int64_t g_bf16_min_head_dim = 128;
+int64_t g_bf16_min_head_dim = 0;  // 0: the default for this CPU
+bool g_dot = true;
 
 // Operand `o` moved by `offset` elements (bf16 or f32 alike).
 Operand at(const Operand& o, int64_t offset) {
@@ -74,6 +77,72 @@ Operand probabilities(const float* p, int64_t t, std::vector<uint16_t>& rounded)
   return {rounded.data(), t};
 }
 
+// bf16 products on bf16_dot.h's kernel (AVX512_BF16) where the CPU has it, instead of a library
+// call per block: the rows are taken kDotRows at a time, and each tile's scores, softmax, rounding
+// and product with V (or, backward, dP, dS, its rounding and dQ) run in one pass while the tile is
+// in cache. A tile's keys stop at its last row (the causal mask), so about half of the full
+// products' work is done, and only the rounded values a product reads are rounded. Operands are
+// packed once per head (bf16_dot.h's pairs); dS and P are packed tile by tile for dK and dV.
+constexpr int64_t kDotRows = 8;
+
+struct DotScratch {
+  std::vector<uint16_t> a, b, c, tile, ds, p;
+  DotScratch(int64_t t, int64_t hd, bool backward) {
+    const auto pairs = [](int64_t k) { return static_cast<size_t>((k + 1) / 2); };
+    a.resize(pairs(hd) * 2 * t);  // K^T (forward) or V^T (backward), pairs of hd
+    b.resize(pairs(t) * 2 * hd);  // V (forward), K then Q (backward), pairs of keys
+    tile.resize(static_cast<size_t>(kDotRows * t));
+    if (backward) {
+      c.resize(pairs(t) * 2 * hd);  // dO, pairs of queries
+      ds.resize(pairs(t) * 2 * t);  // dS and P, pairs of queries
+      p.resize(pairs(t) * 2 * t);
+    }
+  }
+};
+
+// One head: S = scale Q K^T, P = softmax (saved in p, (T, T)), O = P V into o (row stride ldo).
+// q, k, v are bf16 with row stride ld.
+void forward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T, int64_t hd,
+                      float scale, float* p, float* o, int64_t ldo, DotScratch& s) {
+  detail::pack_pairs_transposed(k, ld, T, hd, s.a.data(), 2 * T);
+  detail::pack_pairs(v, ld, T, hd, s.b.data(), 2 * hd);
+  for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
+    const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;  // rows [i0, n) see keys [0, n)
+    detail::bf16_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 2, s.a.data(), 2 * T, p + i0 * T, T);
+    detail::causal_softmax_tile(p + i0 * T, T, i0, r, std::min(T, n + kDotRows), s.tile.data());
+    detail::bf16_dot_gemm(r, hd, n, 1.0f, s.tile.data(), n, 2, s.b.data(), 2 * hd, o + i0 * ldo, ldo);
+  }
+}
+
+// One head's backward from P (p) and dO (bf16, row stride ldg): dQ, dK, dV (row stride ld).
+// dp is (T, T) f32 scratch.
+void backward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t ld, const uint16_t* dO,
+                       int64_t ldg, const float* p, int64_t T, int64_t hd, float scale, float* dp, float* dq, float* dk,
+                       float* dv, DotScratch& s) {
+  detail::pack_pairs_transposed(v, ld, T, hd, s.a.data(), 2 * T);
+  detail::pack_pairs(k, ld, T, hd, s.b.data(), 2 * hd);
+  for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
+    const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;
+    detail::bf16_dot_gemm(r, n, hd, 1.0f, dO + i0 * ldg, ldg, 2, s.a.data(), 2 * T, dp + i0 * T, T);
+    detail::causal_softmax_backward_tile(p + i0 * T, dp + i0 * T, T, i0, r, std::min(T, n + kDotRows), s.tile.data());
+    detail::bf16_dot_gemm(r, hd, n, scale, s.tile.data(), n, 2, s.b.data(), 2 * hd, dq + i0 * ld, ld);
+    // dS and P in pairs of rows for dK and dV, up to the columns their tiles read (zeros past the
+    // diagonal included: a tile of keys [c0, c0 + kDotRows) reads them from the query c0 on).
+    const int64_t cols = std::min(T, n + kDotRows);
+    detail::pack_pairs_f32(dp + i0 * T, T, r, cols, s.ds.data() + i0 * T, 2 * T);
+    detail::pack_pairs_f32(p + i0 * T, T, r, cols, s.p.data() + i0 * T, 2 * T);
+  }
+  detail::pack_pairs(q, ld, T, hd, s.b.data(), 2 * hd);
+  detail::pack_pairs(dO, ldg, T, hd, s.c.data(), 2 * hd);
+  for (int64_t c0 = 0; c0 < T; c0 += kDotRows) {                   // keys [c0, c0 + r): dK = scale dS^T Q, dV = P^T dO
+    const int64_t r = std::min(kDotRows, T - c0), pair0 = c0 / 2;  // c0 is even: queries from c0
+    detail::bf16_dot_gemm(r, hd, T - c0, scale, s.ds.data() + 2 * c0 + pair0 * 2 * T, 2, 2 * T,
+                          s.b.data() + pair0 * 2 * hd, 2 * hd, dk + c0 * ld, ld);
+    detail::bf16_dot_gemm(r, hd, T - c0, 1.0f, s.p.data() + 2 * c0 + pair0 * 2 * T, 2, 2 * T,
+                          s.c.data() + pair0 * 2 * hd, 2 * hd, dv + c0 * ld, ld);
+  }
+}
+
 struct AttentionBackward : Node {
   Tensor qkv;  // (B, T, 3C) contiguous: f32, or bf16 under bf16 products
   Tensor att;  // (B, H, T, T) probabilities
@@ -94,6 +163,18 @@ struct AttentionBackward : Node {
     auto grads = [&](int64_t offset) { return bf16 ? Operand{bits(g16) + offset, C} : Operand{g.data() + offset, C}; };
     const float* pa = att.data();
     float* pd = dqkv.data();
+    if (bf16 && attention_bf16_kernel()) {
+      DotScratch scratch(T, hd, true);
+      for (int64_t b = 0; b < b_size; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t q = b * T * 3 * C + h * hd, go = b * T * C + h * hd;
+          backward_head_dot(bits(qkv) + q, bits(qkv) + q + C, bits(qkv) + q + 2 * C, 3 * C, bits(g16) + go, C,
+                            pa + (b * H + h) * T * T, T, hd, scale, dp.data(), pd + q, pd + q + C, pd + q + 2 * C,
+                            scratch);
+        }
+      }
+      return {dqkv};
+    }
     const int64_t block = g_block_rows;
     for (int64_t b = 0; b < b_size; ++b) {
       for (int64_t h = 0; h < H; ++h) {
@@ -137,15 +218,28 @@ struct AttentionBackward : Node {
 
 int64_t attention_block_rows() { return g_block_rows; }
 
-int64_t attention_bf16_min_head_dim() { return g_bf16_min_head_dim; }
+int64_t attention_bf16_min_head_dim() {
+  if (g_bf16_min_head_dim > 0) return g_bf16_min_head_dim;
+  return attention_bf16_kernel() ? 1 : 128;
+}
+
+bool attention_bf16_kernel() { return g_dot && detail::bf16_dot_available(); }
+
+void set_attention_bf16_kernel(bool enabled) { g_dot = enabled; }
+
+const char* attention_bf16_route(int64_t head_dim) {
+  if (!attention_products_bf16(head_dim)) return "f32";
+  return attention_bf16_kernel() ? "dtrain's AVX512_BF16 kernel" : "the bf16 product route (block by block)";
+}
 
 void set_attention_bf16_min_head_dim(int64_t head_dim) {
-  DT_CHECK(head_dim > 0, "tensor", "set_attention_bf16_min_head_dim: {}, expected at least 1", head_dim);
+  DT_CHECK(head_dim >= 0, "tensor", "set_attention_bf16_min_head_dim: {}, expected at least 0 (0: the default)",
+           head_dim);
   g_bf16_min_head_dim = head_dim;
 }
 
 bool attention_products_bf16(int64_t head_dim) {
-  return matmul_precision() == Precision::bf16 && head_dim >= g_bf16_min_head_dim;
+  return matmul_precision() == Precision::bf16 && head_dim >= attention_bf16_min_head_dim();
 }
 
 void set_attention_block_rows(int64_t rows) {
@@ -179,7 +273,18 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   auto heads = [&](int64_t offset) {
     return bf16 ? Operand{bits(qkv16) + offset, 3 * C} : Operand{pq + offset, 3 * C};
   };
-  for (int64_t b = 0; b < B && T > 0 && hd > 0; ++b) {
+  const bool dot = bf16 && attention_bf16_kernel();
+  if (dot && T > 0 && hd > 0) {
+    DotScratch scratch(T, hd, false);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t q = b * T * 3 * C + h * hd;
+        forward_head_dot(bits(qkv16) + q, bits(qkv16) + q + C, bits(qkv16) + q + 2 * C, 3 * C, T, hd, scale,
+                         pa + (b * H + h) * T * T, po + b * T * C + h * hd, C, scratch);
+      }
+    }
+  }
+  for (int64_t b = 0; b < B && T > 0 && hd > 0 && !dot; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       const int64_t q = b * T * 3 * C + h * hd;  // offsets of Q, K = q + C, V = q + 2C
       float* p = pa + (b * H + h) * T * T;

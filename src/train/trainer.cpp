@@ -605,11 +605,16 @@ void Trainer::announce() const {
   DT_LOG_INFO("training {} ({} parameters on this rank) on {} ({} samples), {} steps of batch {}, {} per epoch{}",
               cfg_.model, model_->num_parameters(), cfg_.data, src_.train->size(), total_steps_, batch_,
               steps_per_epoch_, layout);
-  if (precision_ == Precision::bf16 && cfg_.model == "gpt" && !ops::attention_products_bf16(cfg_.width / cfg_.heads)) {
-    DT_LOG_INFO(
-        "bf16: the attention's products stay f32 (head dimension {} < {}, where f32 is faster); every "
-        "linear layer's are bf16",
-        cfg_.width / cfg_.heads, ops::attention_bf16_min_head_dim());
+  if (precision_ == Precision::bf16 && cfg_.model == "gpt") {
+    const int64_t head_dim = cfg_.width / cfg_.heads;
+    if (!ops::attention_products_bf16(head_dim)) {
+      DT_LOG_INFO(
+          "bf16: the attention's products stay f32 (head dimension {} < {}, where f32 is faster); every "
+          "linear layer's are bf16",
+          head_dim, ops::attention_bf16_min_head_dim());
+    } else {
+      DT_LOG_INFO("bf16: the attention's products are bf16 on {}", ops::attention_bf16_route(head_dim));
+    }
   }
 }
 
@@ -1034,7 +1039,10 @@ nlohmann::json Trainer::final_record() {
                         {"gemm", gemm_backend_name(gemm_backend())}};
   if (precision_ == Precision::bf16) {
     record["bf16_route"] = bf16_products_route();
-    if (cfg_.model == "gpt") record["bf16_attention"] = ops::attention_products_bf16(cfg_.width / cfg_.heads);
+    if (cfg_.model == "gpt") {
+      record["bf16_attention"] = ops::attention_products_bf16(cfg_.width / cfg_.heads);
+      record["bf16_attention_route"] = ops::attention_bf16_route(cfg_.width / cfg_.heads);
+    }
   }
   return record;
 }

@@ -60,15 +60,25 @@ Tensor causal_attention(const Tensor& qkv, int64_t n_head);
 int64_t attention_block_rows();
 void set_attention_block_rows(int64_t rows);
 /// Under --precision bf16, causal_attention's products are bf16 from this head dimension (C / H)
-/// up (128) and f32 below it: its per-head products are small (block rows x keys x head
-/// dimension), where a bf16 product's fixed costs (rounding, packing, oneDNN's call) outweigh its
-/// faster arithmetic. Measured on the byte GPT (AMD EPYC, AVX512_BF16): head dimension 32, f32
-/// products 11% faster per step; 64, 2%; 128, bf16 4% faster. Settable for tests; not thread-safe.
+/// up and f32 below it. With dtrain's own kernel (attention_bf16_kernel()) that is every head
+/// dimension (1): measured on the byte GPT (AMD EPYC, AVX512_BF16, head dimension 32), 4-10%
+/// faster per step than f32 attention products. Without it, 128: block by block through a library
+/// product each, a bf16 product's fixed costs (rounding, packing, oneDNN's call) outweigh its
+/// faster arithmetic on small heads (head dimension 32: f32 11% faster per step; 64: 2%; 128: bf16
+/// 4% faster). Settable for tests (0: back to the default); not thread-safe.
 int64_t attention_bf16_min_head_dim();
 void set_attention_bf16_min_head_dim(int64_t head_dim);
 /// Whether causal_attention's products at this head dimension are bf16 now: --precision bf16 and
 /// head_dim >= attention_bf16_min_head_dim().
 bool attention_products_bf16(int64_t head_dim);
+/// Whether causal_attention's bf16 products run on dtrain's own AVX512_BF16 kernel (this CPU has
+/// it, the kernels' instruction set is AVX-512, and tests have not turned it off) rather than a
+/// library product per causal block. Settable for tests; not thread-safe.
+bool attention_bf16_kernel();
+void set_attention_bf16_kernel(bool enabled);
+/// Where causal_attention's products at this head dimension run now, for logs and metrics:
+/// "dtrain's AVX512_BF16 kernel", "the bf16 product route (block by block)" or "f32".
+const char* attention_bf16_route(int64_t head_dim);
 /// Zeroes elements with probability p and scales the rest by 1/(1-p); identity if !training.
 Tensor dropout(const Tensor& a, float p, bool training, Generator& gen);
 

@@ -1,0 +1,267 @@
+// bf16_dot.h's kernels, compiled for AVX-512 with AVX512_BF16 (CMakeLists.txt): a register tile
+// of up to 8 rows x 32 columns of C (16 accumulators), one vdpbf16ps per row and 16 columns for
+// each pair of k, B's 32-bit pairs loaded (masked past n) and A's broadcast from memory.
+#include "bf16_dot.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "exp16.h"
+
+namespace dtrain::detail {
+
+namespace {
+
+inline __m512i broadcast_pair(const uint16_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return _mm512_set1_epi32(w);
+}
+
+inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: a vector cast, the same 512 bits
+}
+
+// Rows [0, MR) of C, columns [0, 16 NV) of the block at b and c (masks m0, m1 for the last one).
+template <int MR, int NV>
+void tile(int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair, const uint16_t* b, int64_t ldb,
+          __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* bp = b + p * ldb;
+    __m512i bv[NV];
+    bv[0] = _mm512_maskz_loadu_epi32(m0, bp);
+    if constexpr (NV > 1) bv[1] = _mm512_maskz_loadu_epi32(m1, bp + 32);
+    const uint16_t* ap = a + p * a_pair;
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+      const __m512i av = broadcast_pair(ap + r * a_row);
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], av, bv[v]);
+    }
+  }
+  if (k % 2 != 0) {  // the last value of k alone: A's second half zero (B's is zero too)
+    const uint16_t* bp = b + pairs * ldb;
+    __m512i bv[NV];
+    bv[0] = _mm512_maskz_loadu_epi32(m0, bp);
+    if constexpr (NV > 1) bv[1] = _mm512_maskz_loadu_epi32(m1, bp + 32);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+      const __m512i av = _mm512_set1_epi32(static_cast<int32_t>(a[r * a_row + pairs * a_pair]));
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], av, bv[v]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_mul_ps(acc[r][0], s));
+    if constexpr (NV > 1) _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_mul_ps(acc[r][1], s));
+  }
+}
+
+template <int NV>
+void rows(int64_t mr, int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair, const uint16_t* b,
+          int64_t ldb, __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
+  switch (mr) {
+    case 8: return tile<8, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 7: return tile<7, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 6: return tile<6, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 5: return tile<5, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 4: return tile<4, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 3: return tile<3, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 2: return tile<2, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    default: return tile<1, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+  }
+}
+
+// The first `count` of 16 lanes (none for count <= 0).
+inline __mmask16 lanes(int64_t count) {
+  if (count <= 0) return 0;
+  return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+}  // namespace
+
+void bf16_dot_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair,
+                   const uint16_t* b, int64_t ldb, float* c, int64_t ldc) {
+  for (int64_t i0 = 0; i0 < m; i0 += 8) {
+    const int64_t mr = m - i0 < 8 ? m - i0 : 8;
+    const uint16_t* ai = a + i0 * a_row;
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+      const int64_t left = n - j0;
+      const __mmask16 m0 = lanes(left), m1 = lanes(left - 16);
+      if (left > 16) {
+        rows<2>(mr, k, alpha, ai, a_row, a_pair, b + 2 * j0, ldb, m0, m1, c + i0 * ldc + j0, ldc);
+      } else {
+        rows<1>(mr, k, alpha, ai, a_row, a_pair, b + 2 * j0, ldb, m0, 0, c + i0 * ldc + j0, ldc);
+      }
+    }
+  }
+}
+
+namespace {
+
+// The 32 bf16 of v (16 from each 256-bit half) interleaved: out[2 j] = low[j], out[2 j + 1] = high[j].
+inline __m512i interleave_halves(__m512i v) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                       5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, v);
+}
+
+inline __mmask32 lanes32(int64_t count) {
+  if (count <= 0) return 0;
+  return count >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << count) - 1u);
+}
+
+// n pairs into d, 16 at a time: load(j, mask) gives the pairs j to j + 15 (fewer at the end).
+template <typename Load>
+void interleave_rows(const Load& load, int64_t n, uint16_t* d) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t left = n - j;
+    const __m512i v = load(j, lanes(left));
+    _mm512_mask_storeu_epi16(d + 2 * j, lanes32(2 * left), v);
+  }
+}
+
+}  // namespace
+
+void pack_pairs(const uint16_t* x, int64_t ld, int64_t k, int64_t n, uint16_t* dst, int64_t ldd) {
+  // out[2 j] = lo[j], out[2 j + 1] = hi[j] (index 32 + j picks the second operand's lane j)
+  const __m512i pair_up = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    const uint16_t* r0 = x + 2 * p * ld;
+    const uint16_t* r1 = 2 * p + 1 < k ? r0 + ld : nullptr;
+    interleave_rows(
+        [&](int64_t j, __mmask16 m) {
+          const __m512i lo = _mm512_maskz_loadu_epi16(m, r0 + j);  // lanes 0-15
+          const __m512i hi = r1 != nullptr ? _mm512_maskz_loadu_epi16(m, r1 + j) : _mm512_setzero_si512();
+          return _mm512_permutex2var_epi16(lo, pair_up, hi);
+        },
+        n, dst + p * ldd);
+  }
+}
+
+void pack_pairs_f32(const float* x, int64_t ld, int64_t k, int64_t n, uint16_t* dst, int64_t ldd) {
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    const float* r0 = x + 2 * p * ld;
+    const float* r1 = 2 * p + 1 < k ? r0 + ld : nullptr;
+    interleave_rows(
+        [&](int64_t j, __mmask16 m) {
+          const __m512 lo = _mm512_maskz_loadu_ps(m, r0 + j);
+          const __m512 hi = r1 != nullptr ? _mm512_maskz_loadu_ps(m, r1 + j) : _mm512_setzero_ps();
+          return interleave_halves((__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // NOLINT: lo's in the low half
+        },
+        n, dst + p * ldd);
+  }
+}
+
+void pack_pairs_transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t k, uint16_t* dst, int64_t ldd) {
+  const int64_t pairs = k / 2;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows of X at a time: word p of each gathered
+    const __mmask16 m = lanes(n - j0);
+    const uint16_t* base = x + j0 * ld;
+    const __m512i rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(ld)));
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rows, base + 2 * p, 2);
+      _mm512_mask_storeu_epi32(dst + p * ldd + 2 * j0, m, w);
+    }
+  }
+  if (k % 2 != 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      dst[pairs * ldd + 2 * j] = x[j * ld + k - 1];
+      dst[pairs * ldd + 2 * j + 1] = 0;
+    }
+  }
+}
+
+namespace {
+
+// Horizontal max and sum through memory: GCC 12's _mm512_reduce_* trip -Wmaybe-uninitialized.
+inline float max_of(__m512 v) {
+  alignas(64) float l[16];
+  _mm512_store_ps(l, v);
+  float m = l[0];
+  for (float x : l) m = x > m ? x : m;
+  return m;
+}
+
+inline float sum_of(__m512 v) {
+  alignas(64) float l[16];
+  _mm512_store_ps(l, v);
+  float s = 0.0f;
+  for (float x : l) s += x;
+  return s;
+}
+
+// f32 lanes [j, j + 16) of row: the f32 row written under `keep` lanes, its bf16 rounding under `tile_lanes`.
+inline void store_both(float* row, uint16_t* t, int64_t j, __m512 v, __mmask16 keep, __mmask16 tile_lanes) {
+  _mm512_mask_storeu_ps(row + j, keep, v);
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16(t + j, tile_lanes, (__m256i)h);  // NOLINT: a vector cast, the same 256 bits
+}
+
+}  // namespace
+
+void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile) {
+  const int64_t n = i0 + r;
+  for (int64_t i = i0; i < n; ++i) {
+    float* row = s + (i - i0) * ld;
+    uint16_t* t = tile + (i - i0) * n;
+    const int64_t len = i + 1;
+    __m512 mx = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = lanes(len - j);
+      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, row + j));
+    }
+    const __m512 shift = _mm512_set1_ps(max_of(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = lanes(len - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift)));
+      _mm512_mask_storeu_ps(row + j, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sum_of(sum));
+    const int64_t end = zero_to > n ? zero_to : n;
+    for (int64_t j = 0; j < end; j += 16) {  // P = e / sum, zeros past the diagonal
+      const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
+      store_both(row, t, j, v, lanes(zero_to - j), lanes(n - j));
+    }
+  }
+}
+
+void causal_softmax_backward_tile(const float* p, float* dp, int64_t ld, int64_t i0, int64_t r, int64_t zero_to,
+                                  uint16_t* tile) {
+  const int64_t n = i0 + r;
+  for (int64_t i = i0; i < n; ++i) {
+    const float* pr = p + (i - i0) * ld;
+    float* row = dp + (i - i0) * ld;
+    uint16_t* t = tile + (i - i0) * n;
+    const int64_t len = i + 1;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = lanes(len - j);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_maskz_loadu_ps(m, pr + j), acc);
+    }
+    const __m512 dot = _mm512_set1_ps(sum_of(acc));
+    const int64_t end = zero_to > n ? zero_to : n;
+    for (int64_t j = 0; j < end; j += 16) {  // dS = P (dP - dot), zeros past the diagonal
+      const __mmask16 m = lanes(len - j);
+      const __m512 v = _mm512_maskz_mul_ps(
+          m, _mm512_maskz_loadu_ps(m, pr + j), _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, row + j), dot));
+      store_both(row, t, j, v, lanes(zero_to - j), lanes(n - j));
+    }
+  }
+}
+
+}  // namespace dtrain::detail
