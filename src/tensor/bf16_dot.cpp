@@ -41,10 +41,10 @@ void tile(int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pa
     if constexpr (NV > 1) bv[1] = _mm512_maskz_loadu_epi32(m1, bp + 32);
     const uint16_t* ap = a + p * a_pair;
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const __m512i av = broadcast_pair(ap + r * a_row);
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], av, bv[v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], av, bv[v]);
     }
   }
   if (k % 2 != 0) {  // the last value of k alone: A's second half zero (B's is zero too)
@@ -53,10 +53,10 @@ void tile(int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pa
     bv[0] = _mm512_maskz_loadu_epi32(m0, bp);
     if constexpr (NV > 1) bv[1] = _mm512_maskz_loadu_epi32(m1, bp + 32);
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const __m512i av = _mm512_set1_epi32(static_cast<int32_t>(a[r * a_row + pairs * a_pair]));
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], av, bv[v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], av, bv[v]);
     }
   }
   const __m512 s = _mm512_set1_ps(alpha);
@@ -71,14 +71,22 @@ template <int NV>
 void rows(int64_t mr, int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair, const uint16_t* b,
           int64_t ldb, __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
   switch (mr) {
-    case 8: return tile<8, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 7: return tile<7, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 6: return tile<6, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 5: return tile<5, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 4: return tile<4, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 3: return tile<3, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 2: return tile<2, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    default: return tile<1, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 8:
+      return tile<8, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 7:
+      return tile<7, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 6:
+      return tile<6, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 5:
+      return tile<5, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 4:
+      return tile<4, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 3:
+      return tile<3, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    case 2:
+      return tile<2, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+    default:
+      return tile<1, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
   }
 }
 
@@ -257,8 +265,8 @@ void causal_softmax_backward_tile(const float* p, float* dp, int64_t ld, int64_t
     const int64_t end = zero_to > n ? zero_to : n;
     for (int64_t j = 0; j < end; j += 16) {  // dS = P (dP - dot), zeros past the diagonal
       const __mmask16 m = lanes(len - j);
-      const __m512 v = _mm512_maskz_mul_ps(
-          m, _mm512_maskz_loadu_ps(m, pr + j), _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, row + j), dot));
+      const __m512 v = _mm512_maskz_mul_ps(m, _mm512_maskz_loadu_ps(m, pr + j),
+                                           _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, row + j), dot));
       store_both(row, t, j, v, lanes(zero_to - j), lanes(n - j));
     }
   }

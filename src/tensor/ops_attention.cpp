@@ -145,8 +145,9 @@ void backward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
 
 struct AttentionBackward : Node {
   Tensor qkv;  // (B, T, 3C) contiguous: f32, or bf16 under bf16 products
-  Tensor att;  // (B, H, T, T) probabilities
+  Tensor att;  // (B, H, T, T) probabilities (on the kernel's route, only up to a tile past the diagonal)
   int64_t b_size, t_size, c_size, n_head;
+  bool dot = false;  // the forward ran on bf16_dot.h's kernel: so does the backward
   std::vector<Tensor> apply(const Tensor& g_in) override {
     Tensor g = g_in.contiguous();  // (B, T, C)
     const int64_t T = t_size, C = c_size, H = n_head, hd = C / H;
@@ -163,7 +164,7 @@ struct AttentionBackward : Node {
     auto grads = [&](int64_t offset) { return bf16 ? Operand{bits(g16) + offset, C} : Operand{g.data() + offset, C}; };
     const float* pa = att.data();
     float* pd = dqkv.data();
-    if (bf16 && attention_bf16_kernel()) {
+    if (dot) {
       DotScratch scratch(T, hd, true);
       for (int64_t b = 0; b < b_size; ++b) {
         for (int64_t h = 0; h < H; ++h) {
@@ -310,6 +311,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
     node->t_size = T;
     node->c_size = C;
     node->n_head = H;
+    node->dot = dot;
     autograd::attach(out, node, {&qkv_in});
   }
   return out;
