@@ -941,6 +941,7 @@ TEST(OpsAttention, Gradient) {
 // blocks, the last one ragged: the same output as the naive double-precision loop, and gradients
 // that pass the finite-difference check (which the single-block path at these sizes passes above).
 TEST(OpsAttention, CausalBlocksMatchNaiveAndGradcheck) {
+  ops::set_attention_kernels(false);  // the library's route, whose blocks these are
   const int64_t saved = ops::attention_block_rows();
   for (int64_t rows : {1, 2, 3}) {
     ops::set_attention_block_rows(rows);
@@ -951,7 +952,38 @@ TEST(OpsAttention, CausalBlocksMatchNaiveAndGradcheck) {
         << rows << " rows";
   }
   ops::set_attention_block_rows(saved);
+  ops::set_attention_kernels(true);
   EXPECT_TRUE(throws_with([] { ops::set_attention_block_rows(0); }, {"set_attention_block_rows", "0"}));
+}
+
+// dtrain's own f32 attention kernel (ops::attention_f32_kernel: 8-row tiles, 16-column vectors)
+// on shapes that cut them: T from 1 to 40 with ragged last tiles, head dimensions 1 to 33. The
+// naive double-precision loop's output, the library route's output and gradient (the same math
+// summed in another order), and a finite-difference check across three tiles.
+TEST(OpsAttention, KernelTilesMatchNaiveLibraryAndGradcheck) {
+  if (!ops::attention_f32_kernel()) GTEST_SKIP() << "the kernels' instruction set is below AVX-512";
+  struct Case {
+    int64_t t, c, h;
+  };
+  for (const Case k :
+       {Case{1, 4, 1}, Case{7, 10, 2}, Case{8, 33, 1}, Case{9, 24, 3}, Case{17, 66, 2}, Case{40, 32, 1}}) {
+    const Tensor qkv = test::randn({2, k.t, 3 * k.c}, 117 + static_cast<uint64_t>(k.t));
+    const Tensor y = ops::causal_attention(qkv, k.h);
+    EXPECT_TRUE(all_close(y, naive_attention(qkv, k.h), 1e-5, 1e-5)) << "T " << k.t << " C " << k.c;
+    auto grad = [&](bool kernel) {
+      ops::set_attention_kernels(kernel);
+      Tensor x = qkv.detach().clone().set_requires_grad(true);
+      Tensor out = ops::causal_attention(x, k.h);
+      ops::sum(ops::mul(out, ops::mul(out, out))).backward();
+      ops::set_attention_kernels(true);
+      return std::make_pair(out.to_vector(), x.grad().to_vector());
+    };
+    const auto mine = grad(true), library = grad(false);
+    for (size_t i = 0; i < mine.first.size(); ++i) EXPECT_NEAR(mine.first[i], library.first[i], 1e-5) << k.t;
+    for (size_t i = 0; i < mine.second.size(); ++i) EXPECT_NEAR(mine.second[i], library.second[i], 1e-4) << k.t;
+  }
+  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 2); },
+                        {test::randn({1, 19, 18}, 118)}));
 }
 
 TEST(OpsAttention, BadShapesThrow) {

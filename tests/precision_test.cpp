@@ -86,7 +86,7 @@ TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
   ops::set_attention_bf16_min_head_dim(8);
   for (const bool kernel : {true, false}) {
     if (kernel && !ops::attention_bf16_kernel()) continue;  // this CPU: the library's route only
-    ops::set_attention_bf16_kernel(kernel);
+    ops::set_attention_kernels(kernel);
     expect_bf16_close("causal_attention", [](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 4); },
                       {randn({2, 24, 96}, 6)});
     // The same in causal blocks of 10 rows (24 = 10 + 10 + 4; the library's route).
@@ -97,7 +97,7 @@ TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
                       {randn({2, 24, 96}, 6)});
     ops::set_attention_block_rows(saved);
   }
-  ops::set_attention_bf16_kernel(true);
+  ops::set_attention_kernels(true);
   ops::set_attention_bf16_min_head_dim(saved_dim);
 }
 
@@ -136,9 +136,9 @@ TEST(Bf16Ops, AttentionKernelMatchesLibraryProductsOnEveryShape) {
     const Forward f = [heads](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], heads); };
     const std::vector<Tensor> in{randn({k.b, k.t, 3 * k.c}, 10 + static_cast<uint64_t>(k.t))};
     const auto dot = run(f, in, Precision::bf16);
-    ops::set_attention_bf16_kernel(false);
+    ops::set_attention_kernels(false);
     const auto library = run(f, in, Precision::bf16);
-    ops::set_attention_bf16_kernel(true);
+    ops::set_attention_kernels(true);
     const auto f32 = run(f, in, Precision::f32);
     for (size_t i = 0; i < dot.size(); ++i) {
       const char* what = i == 0 ? "output" : "gradient";

@@ -117,8 +117,9 @@ TEST_F(ProfileTest, AGptStepIsChargedToItsOpKinds) {
     EXPECT_GT(k[kind].forward_s, 0.0) << profile::kind_name(kind);
     EXPECT_GT(k[kind].backward_s, 0.0) << profile::kind_name(kind);
   }
-  // 4 linears per block and the head, forward; the attention's 2 per (b, h) forward.
-  EXPECT_GE(k[profile::Kind::matmul].calls, 2 * 4 + 1 + 2 * 4 * 2 * 2);
+  // 4 linears per block and the head, forward; on the library's route the attention's 2 per
+  // (b, h) forward too (on dtrain's own kernels they are charged to the attention, fused with it).
+  EXPECT_GE(k[profile::Kind::matmul].calls, 2 * 4 + 1 + (ops::attention_f32_kernel() ? 0 : 2 * 4 * 2 * 2));
   EXPECT_GT(k[profile::Kind::grad_accumulate].calls, 0);
   double charged = 0;
   for (const auto& [kind, e] : k) charged += e.total_s();

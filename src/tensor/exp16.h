@@ -1,5 +1,5 @@
 // exp on 16 lanes of AVX-512, shared by the kernels compiled for AVX-512 (kernels_avx512.cpp
-// through kernels_impl.h, and bf16_dot.cpp). Internal linkage: each file keeps its own copy,
+// through kernels_impl.h, and dot_tiles.cpp). Internal linkage: each file keeps its own copy,
 // compiled with its own flags; empty where the file is not compiled for AVX-512F.
 #pragma once
 

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "bf16_dot.h"
+#include "dot_tiles.h"
 #include "dtrain/core/error.h"
 
 namespace dtrain::kernels {
@@ -78,10 +78,14 @@ const Table* table_for(std::string_view isa) {
 
 namespace dtrain::detail {
 
+bool f32_dot_available() {
+  static const bool ok = std::string_view(kernels::table().isa) == "avx512";
+  return ok;
+}
+
 bool bf16_dot_available() {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool ok =
-      std::string_view(kernels::table().isa) == "avx512" && __builtin_cpu_supports("avx512bf16") != 0;
+  static const bool ok = f32_dot_available() && __builtin_cpu_supports("avx512bf16") != 0;
   return ok;
 #else
   return false;

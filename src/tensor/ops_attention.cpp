@@ -11,8 +11,12 @@
 // With bf16 products (from a head dimension of attention_bf16_min_head_dim() up; below it the
 // products stay f32 under --precision bf16 too), qkv and dO are rounded to bf16 once (qkv is
 // kept in bf16 for the backward), and P and dS per head just before their products; softmax and
-// its gradient stay f32. Where the CPU has AVX512_BF16 they run on dtrain's own kernel (see
-// forward_head_dot below); elsewhere on gemm_bf16, block by block as follows.
+// its gradient stay f32.
+//
+// Where the kernels' instruction set is AVX-512, the products run on dtrain's own kernels
+// (dot_tiles.h; forward_head_dot and forward_head_f32 below): f32 on FMA, bf16 where the CPU also
+// has AVX512_BF16. Elsewhere on the library's products (sgemm_f32, gemm_bf16), block by block as
+// follows.
 //
 // Causal blocks: the rows are cut into blocks of attention_block_rows() (64) and each product
 // skips what the mask makes zero: the rows [r0, r1) of S and dP need only the keys [0, r1), the
@@ -25,7 +29,7 @@
 #include <cmath>
 #include <vector>
 
-#include "bf16_dot.h"
+#include "dot_tiles.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
@@ -77,12 +81,12 @@ Operand probabilities(const float* p, int64_t t, std::vector<uint16_t>& rounded)
   return {rounded.data(), t};
 }
 
-// bf16 products on bf16_dot.h's kernel (AVX512_BF16) where the CPU has it, instead of a library
+// bf16 products on dot_tiles.h's kernel (AVX512_BF16) where the CPU has it, instead of a library
 // call per block: the rows are taken kDotRows at a time, and each tile's scores, softmax, rounding
 // and product with V (or, backward, dP, dS, its rounding and dQ) run in one pass while the tile is
 // in cache. A tile's keys stop at its last row (the causal mask), so about half of the full
 // products' work is done, and only the rounded values a product reads are rounded. Operands are
-// packed once per head (bf16_dot.h's pairs); dS and P are packed tile by tile for dK and dV.
+// packed once per head (dot_tiles.h's pairs); dS and P are packed tile by tile for dK and dV.
 constexpr int64_t kDotRows = 8;
 
 struct DotScratch {
@@ -143,11 +147,61 @@ void backward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
   }
 }
 
+// The same tiles in f32 (dot_tiles.h's FMA kernel, any AVX-512 CPU). The B operands are copied
+// into contiguous (T, hd) blocks first: read in place, their rows 3C floats apart fall into a few
+// of L1's sets (1536 bytes apart: 8 sets for 128 rows) and evict each other. dS^T and P^T are
+// read as A straight from their (T, T) rows.
+struct F32Scratch {
+  std::vector<float> t, x, y;  // K^T or V^T (hd, T); V, or K then Q (T, hd); dO (T, hd)
+  F32Scratch(int64_t t_size, int64_t hd) {
+    t.resize(static_cast<size_t>(hd * t_size));
+    x.resize(static_cast<size_t>(t_size * hd));
+    y.resize(static_cast<size_t>(t_size * hd));
+  }
+};
+
+// Rows of x (row stride ld), hd values each, into dst contiguous.
+void copy_rows(const float* x, int64_t ld, int64_t rows, int64_t hd, float* dst) {
+  for (int64_t i = 0; i < rows; ++i) std::copy(x + i * ld, x + i * ld + hd, dst + i * hd);
+}
+
+void forward_head_f32(const float* q, const float* k, const float* v, int64_t ld, int64_t T, int64_t hd, float scale,
+                      float* p, float* o, int64_t ldo, F32Scratch& s) {
+  detail::pack_transposed(k, ld, T, hd, s.t.data(), T);
+  copy_rows(v, ld, T, hd, s.x.data());
+  for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
+    const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;
+    detail::f32_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 1, s.t.data(), T, p + i0 * T, T);
+    detail::causal_softmax_tile(p + i0 * T, T, i0, r, std::min(T, n + kDotRows), nullptr);
+    detail::f32_dot_gemm(r, hd, n, 1.0f, p + i0 * T, T, 1, s.x.data(), hd, o + i0 * ldo, ldo);
+  }
+}
+
+void backward_head_f32(const float* q, const float* k, const float* v, int64_t ld, const float* dO, int64_t ldg,
+                       const float* p, int64_t T, int64_t hd, float scale, float* dp, float* dq, float* dk, float* dv,
+                       F32Scratch& s) {
+  detail::pack_transposed(v, ld, T, hd, s.t.data(), T);
+  copy_rows(k, ld, T, hd, s.x.data());
+  for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
+    const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;
+    detail::f32_dot_gemm(r, n, hd, 1.0f, dO + i0 * ldg, ldg, 1, s.t.data(), T, dp + i0 * T, T);
+    detail::causal_softmax_backward_tile(p + i0 * T, dp + i0 * T, T, i0, r, std::min(T, n + kDotRows), nullptr);
+    detail::f32_dot_gemm(r, hd, n, scale, dp + i0 * T, T, 1, s.x.data(), hd, dq + i0 * ld, ld);
+  }
+  copy_rows(q, ld, T, hd, s.x.data());
+  copy_rows(dO, ldg, T, hd, s.y.data());
+  for (int64_t c0 = 0; c0 < T; c0 += kDotRows) {  // keys [c0, c0 + r): dK = scale dS^T Q, dV = P^T dO
+    const int64_t r = std::min(kDotRows, T - c0);
+    detail::f32_dot_gemm(r, hd, T - c0, scale, dp + c0 * T + c0, 1, T, s.x.data() + c0 * hd, hd, dk + c0 * ld, ld);
+    detail::f32_dot_gemm(r, hd, T - c0, 1.0f, p + c0 * T + c0, 1, T, s.y.data() + c0 * hd, hd, dv + c0 * ld, ld);
+  }
+}
+
 struct AttentionBackward : Node {
   Tensor qkv;  // (B, T, 3C) contiguous: f32, or bf16 under bf16 products
   Tensor att;  // (B, H, T, T) probabilities (on the kernel's route, only up to a tile past the diagonal)
   int64_t b_size, t_size, c_size, n_head;
-  bool dot = false;  // the forward ran on bf16_dot.h's kernel: so does the backward
+  bool dot = false;  // the forward ran on dot_tiles.h's kernel: so does the backward
   std::vector<Tensor> apply(const Tensor& g_in) override {
     Tensor g = g_in.contiguous();  // (B, T, C)
     const int64_t T = t_size, C = c_size, H = n_head, hd = C / H;
@@ -164,6 +218,18 @@ struct AttentionBackward : Node {
     auto grads = [&](int64_t offset) { return bf16 ? Operand{bits(g16) + offset, C} : Operand{g.data() + offset, C}; };
     const float* pa = att.data();
     float* pd = dqkv.data();
+    if (dot && !bf16) {
+      F32Scratch scratch(T, hd);
+      for (int64_t b = 0; b < b_size; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t q = b * T * 3 * C + h * hd, go = b * T * C + h * hd;
+          const float* x = qkv.data();
+          backward_head_f32(x + q, x + q + C, x + q + 2 * C, 3 * C, g.data() + go, C, pa + (b * H + h) * T * T, T, hd,
+                            scale, dp.data(), pd + q, pd + q + C, pd + q + 2 * C, scratch);
+        }
+      }
+      return {dqkv};
+    }
     if (dot) {
       DotScratch scratch(T, hd, true);
       for (int64_t b = 0; b < b_size; ++b) {
@@ -226,7 +292,9 @@ int64_t attention_bf16_min_head_dim() {
 
 bool attention_bf16_kernel() { return g_dot && detail::bf16_dot_available(); }
 
-void set_attention_bf16_kernel(bool enabled) { g_dot = enabled; }
+bool attention_f32_kernel() { return g_dot && detail::f32_dot_available(); }
+
+void set_attention_kernels(bool enabled) { g_dot = enabled; }
 
 const char* attention_bf16_route(int64_t head_dim) {
   if (!attention_products_bf16(head_dim)) return "f32";
@@ -274,8 +342,18 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   auto heads = [&](int64_t offset) {
     return bf16 ? Operand{bits(qkv16) + offset, 3 * C} : Operand{pq + offset, 3 * C};
   };
-  const bool dot = bf16 && attention_bf16_kernel();
-  if (dot && T > 0 && hd > 0) {
+  const bool dot = bf16 ? attention_bf16_kernel() : attention_f32_kernel();
+  if (dot && !bf16 && T > 0 && hd > 0) {
+    F32Scratch scratch(T, hd);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t q = b * T * 3 * C + h * hd;
+        forward_head_f32(pq + q, pq + q + C, pq + q + 2 * C, 3 * C, T, hd, scale, pa + (b * H + h) * T * T,
+                         po + b * T * C + h * hd, C, scratch);
+      }
+    }
+  }
+  if (dot && bf16 && T > 0 && hd > 0) {
     DotScratch scratch(T, hd, false);
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {

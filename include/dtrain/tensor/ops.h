@@ -71,11 +71,13 @@ void set_attention_bf16_min_head_dim(int64_t head_dim);
 /// Whether causal_attention's products at this head dimension are bf16 now: --precision bf16 and
 /// head_dim >= attention_bf16_min_head_dim().
 bool attention_products_bf16(int64_t head_dim);
-/// Whether causal_attention's bf16 products run on dtrain's own AVX512_BF16 kernel (this CPU has
-/// it, the kernels' instruction set is AVX-512, and tests have not turned it off) rather than a
-/// library product per causal block. Settable for tests; not thread-safe.
+/// Whether causal_attention's products run on dtrain's own kernels (tensor/dot_tiles.h: 8-row
+/// tiles whose scores, softmax and product with V run in one pass) rather than a library product
+/// per head and causal block: f32 where the kernels' instruction set is AVX-512, bf16 where the
+/// CPU also has AVX512_BF16; unless tests turned them off. Settable for tests; not thread-safe.
+bool attention_f32_kernel();
 bool attention_bf16_kernel();
-void set_attention_bf16_kernel(bool enabled);
+void set_attention_kernels(bool enabled);
 /// Where causal_attention's products at this head dimension run now, for logs and metrics:
 /// "dtrain's AVX512_BF16 kernel", "the bf16 product route (block by block)" or "f32".
 const char* attention_bf16_route(int64_t head_dim);

@@ -16,12 +16,13 @@
 namespace dtrain::profile {
 
 enum class Kind : uint8_t {
-  matmul,  // every product on sgemm (linear, matmul, the attention's products)
+  matmul,  // every product on sgemm (linear, matmul, the attention's products on the library's route)
   linear,  // linear's own work besides its products: the bias and its gradient
   layer_norm,
   gelu,
   softmax,    // softmax and log-softmax
-  attention,  // causal attention besides its products: mask, softmax and its gradient
+  attention,  // causal attention besides its library products (mask, softmax and its gradient); on
+              // dtrain's own kernels (AVX-512, ops::attention_f32_kernel) its products too, fused with them
   cross_entropy,
   embedding,
   elementwise,  // add, mul, activations other than GELU, copies, sums

@@ -1,11 +1,13 @@
-// bf16_dot.h's kernels, compiled for AVX-512 with AVX512_BF16 (CMakeLists.txt): a register tile
+// dot_tiles.h's kernels, compiled for AVX-512 with AVX512_BF16 (CMakeLists.txt): a register tile
 // of up to 8 rows x 32 columns of C (16 accumulators), one vdpbf16ps per row and 16 columns for
 // each pair of k, B's 32-bit pairs loaded (masked past n) and A's broadcast from memory.
-#include "bf16_dot.h"
+#include "dot_tiles.h"
 
 #include <immintrin.h>
 
+#include <array>
 #include <cstring>
+#include <utility>
 
 #include "exp16.h"
 
@@ -67,26 +69,35 @@ void tile(int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pa
   }
 }
 
-template <int NV>
-void rows(int64_t mr, int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair, const uint16_t* b,
-          int64_t ldb, __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
-  switch (mr) {
-    case 8:
-      return tile<8, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 7:
-      return tile<7, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 6:
-      return tile<6, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 5:
-      return tile<5, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 4:
-      return tile<4, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 3:
-      return tile<3, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    case 2:
-      return tile<2, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
-    default:
-      return tile<1, NV>(k, alpha, a, a_row, a_pair, b, ldb, m0, m1, c, ldc);
+// One f32 tile: the same shape with vfmadd231ps, A's element (i, kk) at a[i * a_row + kk * a_k]
+// broadcast, B's row kk loaded from b + kk * ldb.
+template <int MR, int NV>
+void tile_f32(int64_t k, float alpha, const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb,
+              __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* bp = b + kk * ldb;
+    __m512 bv[NV];
+    bv[0] = _mm512_maskz_loadu_ps(m0, bp);
+    if constexpr (NV > 1) bv[1] = _mm512_maskz_loadu_ps(m1, bp + 16);
+    const float* ap = a + kk * a_k;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 av = _mm512_set1_ps(ap[r * a_row]);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_mul_ps(acc[r][0], s));
+    if constexpr (NV > 1) _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_mul_ps(acc[r][1], s));
   }
 }
 
@@ -96,23 +107,102 @@ inline __mmask16 lanes(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
 }
 
+// 16 x 16 32-bit words transposed in registers: r[i] lane j becomes r[j] lane i.
+inline void transpose16(__m512i r[16]) {
+  // The masked forms with every lane set: GCC 12's unmasked ones pass an undefined vector that
+  // -Wmaybe-uninitialized reports.
+  constexpr __mmask16 all16 = 0xffff;
+  constexpr __mmask8 all8 = 0xff;
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_mask_unpacklo_epi32(r[i], all16, r[i], r[i + 1]);
+    t[i + 1] = _mm512_mask_unpackhi_epi32(r[i], all16, r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_mask_unpacklo_epi64(t[i], all8, t[i], t[i + 2]);
+    r[i + 1] = _mm512_mask_unpackhi_epi64(t[i], all8, t[i], t[i + 2]);
+    r[i + 2] = _mm512_mask_unpacklo_epi64(t[i + 1], all8, t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_mask_unpackhi_epi64(t[i + 1], all8, t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_mask_shuffle_i32x4(r[i], all16, r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_mask_shuffle_i32x4(r[i], all16, r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_mask_shuffle_i32x4(r[i + 8], all16, r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_mask_shuffle_i32x4(r[i + 8], all16, r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_mask_shuffle_i32x4(t[i], all16, t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_mask_shuffle_i32x4(t[i], all16, t[i], t[i + 8], 0xdd);
+  }
+}
+
+// dst[kk * ldd + j] = word kk of row j of X (n rows of k 32-bit words, row j at x + j * ld_bytes),
+// 16 x 16 blocks at a time through registers (AMD's gathers cost more per word than this).
+void transpose_words(const char* x, int64_t ld_bytes, int64_t n, int64_t k, uint32_t* dst, int64_t ldd) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t rows = n - j0 < 16 ? n - j0 : 16;
+    const __mmask16 mj = lanes(rows);
+    for (int64_t k0 = 0; k0 < k; k0 += 16) {
+      const __mmask16 mk = lanes(k - k0);
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        r[i] = i < rows ? _mm512_maskz_loadu_epi32(mk, x + (j0 + i) * ld_bytes + 4 * k0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      const int64_t words = k - k0 < 16 ? k - k0 : 16;
+      for (int64_t i = 0; i < words; ++i) _mm512_mask_storeu_epi32(dst + (k0 + i) * ldd + j0, mj, r[i]);
+    }
+  }
+}
+
+// C (m, n) in tiles of up to 8 rows x 32 columns: the tile of each height (1-8), one or two
+// vectors wide; `col` elements of B per column of C (2 for bf16 pairs, 1 for f32).
+template <typename T>
+using TileFn = void (*)(int64_t, float, const T*, int64_t, int64_t, const T*, int64_t, __mmask16, __mmask16, float*,
+                        int64_t);
+
+template <typename T>
+void tiled(const std::array<TileFn<T>, 8>& one, const std::array<TileFn<T>, 8>& two, int64_t col, int64_t m, int64_t n,
+           int64_t k, float alpha, const T* a, int64_t a_row, int64_t a_step, const T* b, int64_t ldb, float* c,
+           int64_t ldc) {
+  for (int64_t i0 = 0; i0 < m; i0 += 8) {
+    const size_t h = static_cast<size_t>((m - i0 < 8 ? m - i0 : 8) - 1);
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+      const int64_t left = n - j0;
+      (left > 16 ? two : one)[h](k, alpha, a + i0 * a_row, a_row, a_step, b + col * j0, ldb, lanes(left),
+                                 lanes(left - 16), c + i0 * ldc + j0, ldc);
+    }
+  }
+}
+
+template <int NV, size_t... R>
+constexpr std::array<TileFn<uint16_t>, sizeof...(R)> bf16_tiles(std::index_sequence<R...>) {
+  return {&tile<static_cast<int>(R) + 1, NV>...};
+}
+
+template <int NV, size_t... R>
+constexpr std::array<TileFn<float>, sizeof...(R)> f32_tiles(std::index_sequence<R...>) {
+  return {&tile_f32<static_cast<int>(R) + 1, NV>...};
+}
+
 }  // namespace
 
 void bf16_dot_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair,
                    const uint16_t* b, int64_t ldb, float* c, int64_t ldc) {
-  for (int64_t i0 = 0; i0 < m; i0 += 8) {
-    const int64_t mr = m - i0 < 8 ? m - i0 : 8;
-    const uint16_t* ai = a + i0 * a_row;
-    for (int64_t j0 = 0; j0 < n; j0 += 32) {
-      const int64_t left = n - j0;
-      const __mmask16 m0 = lanes(left), m1 = lanes(left - 16);
-      if (left > 16) {
-        rows<2>(mr, k, alpha, ai, a_row, a_pair, b + 2 * j0, ldb, m0, m1, c + i0 * ldc + j0, ldc);
-      } else {
-        rows<1>(mr, k, alpha, ai, a_row, a_pair, b + 2 * j0, ldb, m0, 0, c + i0 * ldc + j0, ldc);
-      }
-    }
-  }
+  static constexpr auto one = bf16_tiles<1>(std::make_index_sequence<8>());
+  static constexpr auto two = bf16_tiles<2>(std::make_index_sequence<8>());
+  tiled<uint16_t>(one, two, 2, m, n, k, alpha, a, a_row, a_pair, b, ldb, c, ldc);
+}
+
+void f32_dot_gemm(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t a_row, int64_t a_k,
+                  const float* b, int64_t ldb, float* c, int64_t ldc) {
+  static constexpr auto one = f32_tiles<1>(std::make_index_sequence<8>());
+  static constexpr auto two = f32_tiles<2>(std::make_index_sequence<8>());
+  tiled<float>(one, two, 1, m, n, k, alpha, a, a_row, a_k, b, ldb, c, ldc);
+}
+
+void pack_transposed(const float* x, int64_t ld, int64_t n, int64_t k, float* dst, int64_t ldd) {
+  transpose_words(reinterpret_cast<const char*>(x), ld * 4, n, k, reinterpret_cast<uint32_t*>(dst), ldd);
 }
 
 namespace {
@@ -173,17 +263,8 @@ void pack_pairs_f32(const float* x, int64_t ld, int64_t k, int64_t n, uint16_t* 
 }
 
 void pack_pairs_transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t k, uint16_t* dst, int64_t ldd) {
-  const int64_t pairs = k / 2;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows of X at a time: word p of each gathered
-    const __mmask16 m = lanes(n - j0);
-    const uint16_t* base = x + j0 * ld;
-    const __m512i rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(ld)));
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rows, base + 2 * p, 2);
-      _mm512_mask_storeu_epi32(dst + p * ldd + 2 * j0, m, w);
-    }
-  }
+  const int64_t pairs = k / 2;  // ldd is even: its rows are 32-bit words
+  transpose_words(reinterpret_cast<const char*>(x), ld * 2, n, pairs, reinterpret_cast<uint32_t*>(dst), ldd / 2);
   if (k % 2 != 0) {
     for (int64_t j = 0; j < n; ++j) {
       dst[pairs * ldd + 2 * j] = x[j * ld + k - 1];
@@ -211,9 +292,11 @@ inline float sum_of(__m512 v) {
   return s;
 }
 
-// f32 lanes [j, j + 16) of row: the f32 row written under `keep` lanes, its bf16 rounding under `tile_lanes`.
+// f32 lanes [j, j + 16) of row: the f32 row written under `keep` lanes, its bf16 rounding (when
+// there is a tile) under `tile_lanes`.
 inline void store_both(float* row, uint16_t* t, int64_t j, __m512 v, __mmask16 keep, __mmask16 tile_lanes) {
   _mm512_mask_storeu_ps(row + j, keep, v);
+  if (t == nullptr) return;
   const __m256bh h = _mm512_cvtneps_pbh(v);
   _mm256_mask_storeu_epi16(t + j, tile_lanes, (__m256i)h);  // NOLINT: a vector cast, the same 256 bits
 }
@@ -224,7 +307,7 @@ void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t ze
   const int64_t n = i0 + r;
   for (int64_t i = i0; i < n; ++i) {
     float* row = s + (i - i0) * ld;
-    uint16_t* t = tile + (i - i0) * n;
+    uint16_t* t = tile != nullptr ? tile + (i - i0) * n : nullptr;
     const int64_t len = i + 1;
     __m512 mx = _mm512_set1_ps(-__builtin_inff());
     for (int64_t j = 0; j < len; j += 16) {
@@ -254,7 +337,7 @@ void causal_softmax_backward_tile(const float* p, float* dp, int64_t ld, int64_t
   for (int64_t i = i0; i < n; ++i) {
     const float* pr = p + (i - i0) * ld;
     float* row = dp + (i - i0) * ld;
-    uint16_t* t = tile + (i - i0) * n;
+    uint16_t* t = tile != nullptr ? tile + (i - i0) * n : nullptr;
     const int64_t len = i + 1;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; j += 16) {
