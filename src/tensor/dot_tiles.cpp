@@ -25,16 +25,33 @@ inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: a vector cast, the same 512 bits
 }
 
-// Rows [0, MR) of C, columns [0, 16 NV) of the block at b and c (masks m0, m1 for the last one).
+// A tile's accumulators: MR rows x NV vectors of 16 f32, zeroed, and stored scaled by alpha
+// under the column masks m0 and m1 (the second vector's).
 template <int MR, int NV>
-void tile(int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair, const uint16_t* b, int64_t ldb,
-          __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
-  __m512 acc[MR][NV];
+inline void zero(__m512 (&acc)[MR][NV]) {
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   }
+}
+
+template <int MR, int NV>
+inline void store(const __m512 (&acc)[MR][NV], float alpha, __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
+  const __m512 s = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_mul_ps(acc[r][0], s));
+    if constexpr (NV > 1) _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_mul_ps(acc[r][1], s));
+  }
+}
+
+// Rows [0, MR) of C, columns [0, 16 NV) of the block at b and c (masks m0, m1 for the last one).
+template <int MR, int NV>
+void tile(int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pair, const uint16_t* b, int64_t ldb,
+          __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
+  __m512 acc[MR][NV];
+  zero(acc);
   const int64_t pairs = k / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* bp = b + p * ldb;
@@ -61,12 +78,7 @@ void tile(int64_t k, float alpha, const uint16_t* a, int64_t a_row, int64_t a_pa
       for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], av, bv[v]);
     }
   }
-  const __m512 s = _mm512_set1_ps(alpha);
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_mul_ps(acc[r][0], s));
-    if constexpr (NV > 1) _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_mul_ps(acc[r][1], s));
-  }
+  store(acc, alpha, m0, m1, c, ldc);
 }
 
 // One f32 tile: the same shape with vfmadd231ps, A's element (i, kk) at a[i * a_row + kk * a_k]
@@ -75,11 +87,7 @@ template <int MR, int NV>
 void tile_f32(int64_t k, float alpha, const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb,
               __mmask16 m0, __mmask16 m1, float* c, int64_t ldc) {
   __m512 acc[MR][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  }
+  zero(acc);
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* bp = b + kk * ldb;
     __m512 bv[NV];
@@ -93,12 +101,7 @@ void tile_f32(int64_t k, float alpha, const float* a, int64_t a_row, int64_t a_k
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
     }
   }
-  const __m512 s = _mm512_set1_ps(alpha);
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_mul_ps(acc[r][0], s));
-    if constexpr (NV > 1) _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_mul_ps(acc[r][1], s));
-  }
+  store(acc, alpha, m0, m1, c, ldc);
 }
 
 // The first `count` of 16 lanes (none for count <= 0).
