@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/tensor/dot_tiles.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/half.h"
@@ -984,6 +985,39 @@ TEST(OpsAttention, KernelTilesMatchNaiveLibraryAndGradcheck) {
   }
   EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], 2); },
                         {test::randn({1, 19, 18}, 118)}));
+}
+
+// The kernels' backward keeps no probabilities: it computes P again from S and the forward's
+// stats (each row's shift and 1 / sum), and that must give the forward's P bit for bit, or the
+// gradient would not be the gradient of what the forward computed.
+TEST(OpsAttention, RecomputedProbabilitiesAreTheForwardsBits) {
+  if (!detail::f32_dot_available()) GTEST_SKIP() << "the kernels' instruction set is below AVX-512";
+  for (const int64_t t : {1, 7, 8, 9, 17, 40, 128}) {
+    const int64_t ld = t + 3;
+    const std::vector<float> scores = test::randn({t, ld}, 300 + static_cast<uint64_t>(t)).to_vector();
+    for (int64_t i0 = 0; i0 < t; i0 += 8) {
+      const int64_t r = std::min<int64_t>(8, t - i0), zero_to = std::min(t, i0 + r + 8);
+      std::vector<float> forward(scores.begin() + i0 * ld, scores.begin() + (i0 + r) * ld);
+      std::vector<float> again = forward;
+      std::vector<float> stats(static_cast<size_t>(2 * r), -1.0f);
+      detail::causal_softmax_tile(forward.data(), ld, i0, r, zero_to, nullptr, stats.data());
+      detail::causal_softmax_recompute_tile(again.data(), ld, i0, r, zero_to, stats.data());
+      for (int64_t i = 0; i < r; ++i) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < zero_to; ++j) {
+          const size_t at = static_cast<size_t>(i * ld + j);
+          EXPECT_EQ(std::memcmp(&forward[at], &again[at], sizeof(float)), 0)
+              << "T " << t << " row " << i0 + i << " key " << j << ": " << forward[at] << " vs " << again[at];
+          if (j > i0 + i) {
+            EXPECT_EQ(forward[at], 0.0f) << "T " << t << " row " << i0 + i << " key " << j;
+          }
+          sum += forward[at];
+        }
+        EXPECT_NEAR(sum, 1.0f, 1e-5) << "T " << t << " row " << i0 + i;
+        EXPECT_GT(stats[static_cast<size_t>(2 * i + 1)], 0.0f);
+      }
+    }
+  }
 }
 
 TEST(OpsAttention, BadShapesThrow) {

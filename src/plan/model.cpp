@@ -6,6 +6,7 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/plan/plan.h"
+#include "dtrain/tensor/ops.h"
 
 namespace dtrain::plan {
 
@@ -127,10 +128,13 @@ ModelSpec gpt_spec(int64_t layers, int64_t width, int64_t heads, int64_t seq_len
   // What dtrain's autograd keeps per token (f32; the allocator agrees exactly, see plan_test):
   // the embedding's output (C); a block's LayerNorm outputs (2C) and their statistics (4), its
   // output (C) and the residual stream h (C), replicated over tensor-parallel ranks; qkv (3C), the
-  // attention probabilities (H T), the attention output (C), fc and GELU outputs (4C + 4C),
-  // sharded; the head's LayerNorm output (C) and statistics (2) and the logits (V).
+  // attention's softmax (its probabilities, H T, on the library's route; each row's shift and
+  // 1 / sum, 2 H, where the attention runs on dtrain's kernels and computes them again in
+  // backward), the attention output (C), fc and GELU outputs (4C + 4C), sharded; the head's
+  // LayerNorm output (C) and statistics (2) and the logits (V).
+  const double softmax = ops::attention_f32_kernel() ? 2 * h : h * t;
   ModelSpec m = gpt_blocks(layers, width, heads, seq_len, vocab, f32_precision(), 4.0 * c, 4.0 * (4 * c + 4),
-                           4.0 * (12 * c + h * t), 4.0 * (c + v + 2));
+                           4.0 * (12 * c + softmax), 4.0 * (c + v + 2));
   m.description =
       fmt::format("gpt {} layers x width {}, {} heads, seq-len {}, vocab {}", layers, width, heads, seq_len, vocab);
   return m;

@@ -306,7 +306,7 @@ inline void store_both(float* row, uint16_t* t, int64_t j, __m512 v, __mmask16 k
 
 }  // namespace
 
-void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile) {
+void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile, float* stats) {
   const int64_t n = i0 + r;
   for (int64_t i = i0; i < n; ++i) {
     float* row = s + (i - i0) * ld;
@@ -317,7 +317,8 @@ void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t ze
       const __mmask16 m = lanes(len - j);
       mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, row + j));
     }
-    const __m512 shift = _mm512_set1_ps(max_of(mx));
+    const float top = max_of(mx);
+    const __m512 shift = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; j += 16) {
       const __mmask16 m = lanes(len - j);
@@ -325,11 +326,32 @@ void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t ze
       _mm512_mask_storeu_ps(row + j, m, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / sum_of(sum));
+    const float inv_sum = 1.0f / sum_of(sum);
+    if (stats != nullptr) {
+      stats[2 * (i - i0)] = top;
+      stats[2 * (i - i0) + 1] = inv_sum;
+    }
+    const __m512 inv = _mm512_set1_ps(inv_sum);
     const int64_t end = zero_to > n ? zero_to : n;
     for (int64_t j = 0; j < end; j += 16) {  // P = e / sum, zeros past the diagonal
       const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
       store_both(row, t, j, v, lanes(zero_to - j), lanes(n - j));
+    }
+  }
+}
+
+void causal_softmax_recompute_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, const float* stats) {
+  const int64_t n = i0 + r;
+  for (int64_t i = i0; i < n; ++i) {
+    float* row = s + (i - i0) * ld;
+    const int64_t len = i + 1;
+    const __m512 shift = _mm512_set1_ps(stats[2 * (i - i0)]);
+    const __m512 inv = _mm512_set1_ps(stats[2 * (i - i0) + 1]);
+    const int64_t end = zero_to > n ? zero_to : n;
+    for (int64_t j = 0; j < end; j += 16) {  // as causal_softmax_tile: e, then e / sum, zeros past the diagonal
+      const __mmask16 m = lanes(len - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift)));
+      _mm512_mask_storeu_ps(row + j, lanes(zero_to - j), _mm512_maskz_mul_ps(m, e, inv));
     }
   }
 }

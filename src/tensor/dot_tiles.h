@@ -42,7 +42,12 @@ void bf16_dot_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t*
 /// The causal softmax of the rows [i0, i0 + r) of the scores at s (row stride ld; row i's keys
 /// [0, i + 1)): P written back in f32 with zeros up to column zero_to, and (where tile is not
 /// null) rounded to bf16 into tile (r, i0 + r) with zeros past the diagonal, ready to be A of P V.
-void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile);
+/// Where stats is not null, each row's shift (its maximum) and 1 / sum go to stats[2 (i - i0)]
+/// and stats[2 (i - i0) + 1]: what causal_softmax_recompute_tile needs to give P again.
+void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile, float* stats);
+/// P again from the same scores and the stats causal_softmax_tile wrote for them: the same
+/// operations on the same values, so the same bits, without the passes for the maximum and sum.
+void causal_softmax_recompute_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, const float* stats);
 /// Its gradient from those rows of P (p) and dP (dp): dS = P (dP - rowsum(dP P)) in place in dp,
 /// zeros up to zero_to, and rounded into tile as above (where not null).
 void causal_softmax_backward_tile(const float* p, float* dp, int64_t ld, int64_t i0, int64_t r, int64_t zero_to,

@@ -5,8 +5,9 @@
 // owns columns [h*hd, (h+1)*hd) of each, hd = C / H. Per (b, h):
 //   S = scale * Q K^T (T, T), scale = 1/sqrt(hd); S[i][j] = -inf for j > i (causal mask)
 //   P = softmax(S) row-wise; O = P V (T, hd), written into out[b, :, h*hd:(h+1)*hd].
-// Heads are read in place with leading dimension 3C, so no head is ever copied out. P is
-// saved (B, H, T, T) for the backward pass:
+// Heads are read in place with leading dimension 3C, so no head is ever copied out. The
+// library's route saves P (B, H, T, T) for the backward pass; the kernels' route saves only each
+// row's softmax stats (B, H, T, 2) and computes P again (below):
 //   dP = dO V^T; dS = P * (dP - rowsum(dP * P)); dQ = scale dS K; dK = scale dS^T Q; dV = P^T dO.
 // With bf16 products (from a head dimension of attention_bf16_min_head_dim() up; below it the
 // products stay f32 under --precision bf16 too), qkv and dO are rounded to bf16 once (qkv is
@@ -89,52 +90,73 @@ Operand probabilities(const float* p, int64_t t, std::vector<uint16_t>& rounded)
 // packed once per head (dot_tiles.h's pairs); dS and P are packed tile by tile for dK and dV.
 constexpr int64_t kDotRows = 8;
 
+//
+// Like FlashAttention, the kernels' route keeps no (T, T) probabilities between forward and
+// backward: the forward saves each row's softmax shift and 1 / sum (stats, (T, 2) per head), and
+// the backward computes S again, tile by tile, and P from it (causal_softmax_recompute_tile: the
+// same bits). Writing P out and reading it back cost more than that, since a layer's P (B H T^2
+// floats: 4 MiB for the byte GPT) does not stay in cache between the two; and the memory saved
+// grows with T^2.
 struct DotScratch {
-  std::vector<uint16_t> a, b, c, tile, ds, p;
+  std::vector<uint16_t> a, b, c, kt, tile, ds, p;
+  std::vector<float> s, d;  // a tile of rows of S then P, and (backward) of dP then dS
   DotScratch(int64_t t, int64_t hd, bool backward) {
     const auto pairs = [](int64_t k) { return static_cast<size_t>((k + 1) / 2); };
     a.resize(pairs(hd) * 2 * t);  // K^T (forward) or V^T (backward), pairs of hd
     b.resize(pairs(t) * 2 * hd);  // V (forward), K then Q (backward), pairs of keys
     tile.resize(static_cast<size_t>(kDotRows * t));
+    s.resize(static_cast<size_t>(kDotRows * t));
     if (backward) {
-      c.resize(pairs(t) * 2 * hd);  // dO, pairs of queries
-      ds.resize(pairs(t) * 2 * t);  // dS and P, pairs of queries
+      d.resize(static_cast<size_t>(kDotRows * t));
+      kt.resize(pairs(hd) * 2 * t);  // K^T, pairs of hd
+      c.resize(pairs(t) * 2 * hd);   // dO, pairs of queries
+      ds.resize(pairs(t) * 2 * t);   // dS and P, pairs of queries
       p.resize(pairs(t) * 2 * t);
     }
   }
 };
 
-// One head: S = scale Q K^T, P = softmax (saved in p, (T, T)), O = P V into o (row stride ldo).
-// q, k, v are bf16 with row stride ld.
+// The rows from i0 up to (and including) a tile past their diagonal: what a tile of rows writes of
+// P and dS (zeros past the diagonal included), since dK's and dV's tiles of keys [c0, c0 +
+// kDotRows) read them from the query c0 on.
+int64_t tile_columns(int64_t T, int64_t n) { return std::min(T, n + kDotRows); }
+
+// One head: S = scale Q K^T, P = softmax (its stats saved, (T, 2)), O = P V into o (row stride
+// ldo). q, k, v are bf16 with row stride ld.
 void forward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T, int64_t hd,
-                      float scale, float* p, float* o, int64_t ldo, DotScratch& s) {
+                      float scale, float* stats, float* o, int64_t ldo, DotScratch& s) {
   detail::pack_pairs_transposed(k, ld, T, hd, s.a.data(), 2 * T);
   detail::pack_pairs(v, ld, T, hd, s.b.data(), 2 * hd);
   for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
     const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;  // rows [i0, n) see keys [0, n)
-    detail::bf16_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 2, s.a.data(), 2 * T, p + i0 * T, T);
-    detail::causal_softmax_tile(p + i0 * T, T, i0, r, std::min(T, n + kDotRows), s.tile.data());
+    detail::bf16_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 2, s.a.data(), 2 * T, s.s.data(), T);
+    detail::causal_softmax_tile(s.s.data(), T, i0, r, n, s.tile.data(), stats + 2 * i0);
     detail::bf16_dot_gemm(r, hd, n, 1.0f, s.tile.data(), n, 2, s.b.data(), 2 * hd, o + i0 * ldo, ldo);
   }
 }
 
-// One head's backward from P (p) and dO (bf16, row stride ldg): dQ, dK, dV (row stride ld).
-// dp is (T, T) f32 scratch.
+// One head's backward from the forward's stats and dO (bf16, row stride ldg): dQ, dK, dV (row
+// stride ld). Only the bf16 pairs of dS and P outlive a tile of rows: f32 S, P, dP and dS stay
+// a tile's rows (in L1 at the byte GPT's T = 128, and in L2 up to T = 4096).
 void backward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t ld, const uint16_t* dO,
-                       int64_t ldg, const float* p, int64_t T, int64_t hd, float scale, float* dp, float* dq, float* dk,
+                       int64_t ldg, const float* stats, int64_t T, int64_t hd, float scale, float* dq, float* dk,
                        float* dv, DotScratch& s) {
+  detail::pack_pairs_transposed(k, ld, T, hd, s.kt.data(), 2 * T);
   detail::pack_pairs_transposed(v, ld, T, hd, s.a.data(), 2 * T);
   detail::pack_pairs(k, ld, T, hd, s.b.data(), 2 * hd);
+  float* p = s.s.data();
+  float* dp = s.d.data();
   for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
     const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;
-    detail::bf16_dot_gemm(r, n, hd, 1.0f, dO + i0 * ldg, ldg, 2, s.a.data(), 2 * T, dp + i0 * T, T);
-    detail::causal_softmax_backward_tile(p + i0 * T, dp + i0 * T, T, i0, r, std::min(T, n + kDotRows), s.tile.data());
+    const int64_t cols = tile_columns(T, n);
+    detail::bf16_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 2, s.kt.data(), 2 * T, p, T);  // the forward's S
+    detail::causal_softmax_recompute_tile(p, T, i0, r, cols, stats + 2 * i0);
+    detail::bf16_dot_gemm(r, n, hd, 1.0f, dO + i0 * ldg, ldg, 2, s.a.data(), 2 * T, dp, T);
+    detail::causal_softmax_backward_tile(p, dp, T, i0, r, cols, s.tile.data());
     detail::bf16_dot_gemm(r, hd, n, scale, s.tile.data(), n, 2, s.b.data(), 2 * hd, dq + i0 * ld, ld);
-    // dS and P in pairs of rows for dK and dV, up to the columns their tiles read (zeros past the
-    // diagonal included: a tile of keys [c0, c0 + kDotRows) reads them from the query c0 on).
-    const int64_t cols = std::min(T, n + kDotRows);
-    detail::pack_pairs_f32(dp + i0 * T, T, r, cols, s.ds.data() + i0 * T, 2 * T);
-    detail::pack_pairs_f32(p + i0 * T, T, r, cols, s.p.data() + i0 * T, 2 * T);
+    // dS and P in pairs of rows for dK and dV, up to the columns their tiles read.
+    detail::pack_pairs_f32(dp, T, r, cols, s.ds.data() + i0 * T, 2 * T);
+    detail::pack_pairs_f32(p, T, r, cols, s.p.data() + i0 * T, 2 * T);
   }
   detail::pack_pairs(q, ld, T, hd, s.b.data(), 2 * hd);
   detail::pack_pairs(dO, ldg, T, hd, s.c.data(), 2 * hd);
@@ -152,11 +174,15 @@ void backward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
 // of L1's sets (1536 bytes apart: 8 sets for 128 rows) and evict each other. dS^T and P^T are
 // read as A straight from their (T, T) rows.
 struct F32Scratch {
-  std::vector<float> t, x, y;  // K^T or V^T (hd, T); V, or K then Q (T, hd); dO (T, hd)
-  F32Scratch(int64_t t_size, int64_t hd) {
+  std::vector<float> t, kt, x, y, s;  // V^T, K^T (hd, T); V, or K then Q (T, hd); dO (T, hd); S then P
+  F32Scratch(int64_t t_size, int64_t hd, bool backward) {
     t.resize(static_cast<size_t>(hd * t_size));
     x.resize(static_cast<size_t>(t_size * hd));
-    y.resize(static_cast<size_t>(t_size * hd));
+    s.resize(static_cast<size_t>((backward ? t_size : kDotRows) * t_size));
+    if (backward) {
+      kt.resize(static_cast<size_t>(hd * t_size));
+      y.resize(static_cast<size_t>(t_size * hd));
+    }
   }
 };
 
@@ -166,26 +192,31 @@ void copy_rows(const float* x, int64_t ld, int64_t rows, int64_t hd, float* dst)
 }
 
 void forward_head_f32(const float* q, const float* k, const float* v, int64_t ld, int64_t T, int64_t hd, float scale,
-                      float* p, float* o, int64_t ldo, F32Scratch& s) {
+                      float* stats, float* o, int64_t ldo, F32Scratch& s) {
   detail::pack_transposed(k, ld, T, hd, s.t.data(), T);
   copy_rows(v, ld, T, hd, s.x.data());
   for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
     const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;
-    detail::f32_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 1, s.t.data(), T, p + i0 * T, T);
-    detail::causal_softmax_tile(p + i0 * T, T, i0, r, std::min(T, n + kDotRows), nullptr);
-    detail::f32_dot_gemm(r, hd, n, 1.0f, p + i0 * T, T, 1, s.x.data(), hd, o + i0 * ldo, ldo);
+    detail::f32_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 1, s.t.data(), T, s.s.data(), T);
+    detail::causal_softmax_tile(s.s.data(), T, i0, r, n, nullptr, stats + 2 * i0);
+    detail::f32_dot_gemm(r, hd, n, 1.0f, s.s.data(), T, 1, s.x.data(), hd, o + i0 * ldo, ldo);
   }
 }
 
 void backward_head_f32(const float* q, const float* k, const float* v, int64_t ld, const float* dO, int64_t ldg,
-                       const float* p, int64_t T, int64_t hd, float scale, float* dp, float* dq, float* dk, float* dv,
-                       F32Scratch& s) {
+                       const float* stats, int64_t T, int64_t hd, float scale, float* dp, float* dq, float* dk,
+                       float* dv, F32Scratch& s) {
+  detail::pack_transposed(k, ld, T, hd, s.kt.data(), T);
   detail::pack_transposed(v, ld, T, hd, s.t.data(), T);
   copy_rows(k, ld, T, hd, s.x.data());
+  float* p = s.s.data();
   for (int64_t i0 = 0; i0 < T; i0 += kDotRows) {
     const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;
+    const int64_t cols = tile_columns(T, n);
+    detail::f32_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 1, s.kt.data(), T, p + i0 * T, T);  // the forward's S
+    detail::causal_softmax_recompute_tile(p + i0 * T, T, i0, r, cols, stats + 2 * i0);
     detail::f32_dot_gemm(r, n, hd, 1.0f, dO + i0 * ldg, ldg, 1, s.t.data(), T, dp + i0 * T, T);
-    detail::causal_softmax_backward_tile(p + i0 * T, dp + i0 * T, T, i0, r, std::min(T, n + kDotRows), nullptr);
+    detail::causal_softmax_backward_tile(p + i0 * T, dp + i0 * T, T, i0, r, cols, nullptr);
     detail::f32_dot_gemm(r, hd, n, scale, dp + i0 * T, T, 1, s.x.data(), hd, dq + i0 * ld, ld);
   }
   copy_rows(q, ld, T, hd, s.x.data());
@@ -199,7 +230,8 @@ void backward_head_f32(const float* q, const float* k, const float* v, int64_t l
 
 struct AttentionBackward : Node {
   Tensor qkv;  // (B, T, 3C) contiguous: f32, or bf16 under bf16 products
-  Tensor att;  // (B, H, T, T) probabilities (on the kernel's route, only up to a tile past the diagonal)
+  Tensor att;  // (B, H, T, T) probabilities on the library's route; (B, H, T, 2) softmax stats on the kernels'
+
   int64_t b_size, t_size, c_size, n_head;
   bool dot = false;  // the forward ran on dot_tiles.h's kernel: so does the backward
   std::vector<Tensor> apply(const Tensor& g_in) override {
@@ -207,9 +239,9 @@ struct AttentionBackward : Node {
     const int64_t T = t_size, C = c_size, H = n_head, hd = C / H;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     Tensor dqkv = Tensor::empty({b_size, T, 3 * C});
-    std::vector<float> dp(static_cast<size_t>(T * T));
     const kernels::Table& kern = kernels::table();
     const bool bf16 = qkv.dtype() == DType::bf16;
+    std::vector<float> dp(dot && bf16 ? 0 : static_cast<size_t>(T * T));  // dP then dS, (T, T) f32
     const Tensor g16 = bf16 ? g.to(DType::bf16) : Tensor();
     std::vector<uint16_t> rounded(bf16 ? static_cast<size_t>(T * T) : 0);
     auto heads = [&](int64_t offset) {
@@ -219,12 +251,12 @@ struct AttentionBackward : Node {
     const float* pa = att.data();
     float* pd = dqkv.data();
     if (dot && !bf16) {
-      F32Scratch scratch(T, hd);
+      F32Scratch scratch(T, hd, true);
       for (int64_t b = 0; b < b_size; ++b) {
         for (int64_t h = 0; h < H; ++h) {
           const int64_t q = b * T * 3 * C + h * hd, go = b * T * C + h * hd;
           const float* x = qkv.data();
-          backward_head_f32(x + q, x + q + C, x + q + 2 * C, 3 * C, g.data() + go, C, pa + (b * H + h) * T * T, T, hd,
+          backward_head_f32(x + q, x + q + C, x + q + 2 * C, 3 * C, g.data() + go, C, pa + (b * H + h) * T * 2, T, hd,
                             scale, dp.data(), pd + q, pd + q + C, pd + q + 2 * C, scratch);
         }
       }
@@ -236,8 +268,7 @@ struct AttentionBackward : Node {
         for (int64_t h = 0; h < H; ++h) {
           const int64_t q = b * T * 3 * C + h * hd, go = b * T * C + h * hd;
           backward_head_dot(bits(qkv) + q, bits(qkv) + q + C, bits(qkv) + q + 2 * C, 3 * C, bits(g16) + go, C,
-                            pa + (b * H + h) * T * T, T, hd, scale, dp.data(), pd + q, pd + q + C, pd + q + 2 * C,
-                            scratch);
+                            pa + (b * H + h) * T * 2, T, hd, scale, pd + q, pd + q + C, pd + q + 2 * C, scratch);
         }
       }
       return {dqkv};
@@ -329,37 +360,37 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   const float scale = hd > 0 ? 1.0f / std::sqrt(static_cast<float>(hd)) : 1.0f;
   Tensor qkv = qkv_in.detach().contiguous();
   Tensor out = Tensor::empty({B, T, C});
-  Tensor att = Tensor::empty({B, H, T, T});
+  // bf16 products: qkv rounded once (and kept for the backward instead of its f32 values), P per head.
+  const bool bf16 = attention_products_bf16(hd);
+  const bool dot = T > 0 && hd > 0 && (bf16 ? attention_bf16_kernel() : attention_f32_kernel());
+  Tensor att = Tensor::empty({B, H, T, dot ? 2 : T});  // the kernels' route saves the softmax's stats only
   const float* pq = qkv.data();
   float* po = out.data();
   float* pa = att.data();
   const kernels::Table& kern = kernels::table();
   const int64_t block = g_block_rows;
-  // bf16 products: qkv rounded once (and kept for the backward instead of its f32 values), P per head.
-  const bool bf16 = attention_products_bf16(hd);
   const Tensor qkv16 = bf16 ? qkv.to(DType::bf16) : Tensor();
   std::vector<uint16_t> p16(bf16 ? static_cast<size_t>(T * T) : 0);
   auto heads = [&](int64_t offset) {
     return bf16 ? Operand{bits(qkv16) + offset, 3 * C} : Operand{pq + offset, 3 * C};
   };
-  const bool dot = bf16 ? attention_bf16_kernel() : attention_f32_kernel();
-  if (dot && !bf16 && T > 0 && hd > 0) {
-    F32Scratch scratch(T, hd);
+  if (dot && !bf16) {
+    F32Scratch scratch(T, hd, false);
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t q = b * T * 3 * C + h * hd;
-        forward_head_f32(pq + q, pq + q + C, pq + q + 2 * C, 3 * C, T, hd, scale, pa + (b * H + h) * T * T,
+        forward_head_f32(pq + q, pq + q + C, pq + q + 2 * C, 3 * C, T, hd, scale, pa + (b * H + h) * T * 2,
                          po + b * T * C + h * hd, C, scratch);
       }
     }
   }
-  if (dot && bf16 && T > 0 && hd > 0) {
+  if (dot && bf16) {
     DotScratch scratch(T, hd, false);
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t q = b * T * 3 * C + h * hd;
         forward_head_dot(bits(qkv16) + q, bits(qkv16) + q + C, bits(qkv16) + q + 2 * C, 3 * C, T, hd, scale,
-                         pa + (b * H + h) * T * T, po + b * T * C + h * hd, C, scratch);
+                         pa + (b * H + h) * T * 2, po + b * T * C + h * hd, C, scratch);
       }
     }
   }
