@@ -227,6 +227,31 @@ int threads_of_this_process() {
   return n;
 }
 
+// Waits (up to 10 s) until no thread of this process but the caller is running, so that CPU time
+// measured next is the caller's and whatever it starts: OpenBLAS's server threads spin on
+// sched_yield for about 2^28 cycles after the library loads before they sleep, and on an idle
+// core that spin alone reads as a second busy thread. Returns the threads still running.
+std::string wait_for_other_threads_to_sleep() {
+  const std::string self = std::to_string(gettid());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string running;
+  do {
+    running.clear();
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+      const std::string tid = e.path().filename().string();
+      std::ifstream stat(e.path() / "stat");
+      const std::string line((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+      const size_t close = line.rfind(')');  // state follows "pid (comm) "
+      if (tid != self && close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R') {
+        running += " " + tid;
+      }
+    }
+    if (running.empty()) return running;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // polling a condition, with a deadline
+  } while (std::chrono::steady_clock::now() < deadline);
+  return running;
+}
+
 // OpenMP's thread count is per calling thread; set_num_threads must reach oneDNN on threads that
 // never set it (ranks and pipeline stages are threads): one thread starts no OpenMP team, two do.
 TEST(Gemm, OneThreadIsOneThreadOnEveryCallingThread) {
@@ -236,7 +261,9 @@ TEST(Gemm, OneThreadIsOneThreadOnEveryCallingThread) {
   int before1 = 0, after1 = 0, before2 = 0, after2 = 0;
   double cpu_per_wall = 0;
   set_num_threads(1);
+  std::string busy;
   std::thread([&] {
+    busy = wait_for_other_threads_to_sleep();
     before1 = threads_of_this_process();
     const auto w0 = std::chrono::steady_clock::now();
     const std::clock_t c0 = std::clock();
@@ -246,6 +273,7 @@ TEST(Gemm, OneThreadIsOneThreadOnEveryCallingThread) {
     after1 = threads_of_this_process();
   }).join();
   EXPECT_EQ(after1, before1) << "oneDNN started threads with set_num_threads(1)";
+  EXPECT_EQ(busy, "") << "threads still running 10 s after the test started";
   EXPECT_LT(cpu_per_wall, 1.3) << "CPU time over wall time with one thread";
   if (std::thread::hardware_concurrency() >= 2) {
     set_num_threads(2);
