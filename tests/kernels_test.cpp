@@ -221,6 +221,13 @@ TEST(Kernels, SumsAndAdamWAreTheScalarArithmetic) {
         for (int64_t r = 0; r < 5; ++r) s += m[static_cast<size_t>(r * n + j)];
         EXPECT_EQ(cols[static_cast<size_t>(j)], s);
       }
+      // Rounding and summing in one read: the same bits as round_to_bf16 and sum_rows apart.
+      std::vector<uint16_t> fused(static_cast<size_t>(5 * n)), apart(static_cast<size_t>(5 * n));
+      std::vector<float> fused_cols(static_cast<size_t>(n), -7.0f);
+      k->round_to_bf16_sum_rows(m.data(), 5, n, fused.data(), fused_cols.data());
+      k->round_to_bf16(m.data(), 5, n, n, apart.data());
+      EXPECT_EQ(fused, apart);
+      EXPECT_EQ(std::memcmp(fused_cols.data(), cols.data(), static_cast<size_t>(n) * sizeof(float)), 0);
       // AdamW: the scalar update's operations per element, up to the fused multiply-adds the
       // compiler may use in one and not the other (a few ulp).
       std::vector<float> p = randn(n, 43), mm = randn(n, 44, 0.1f), v = randn(n, 45, 0.1f);

@@ -375,6 +375,20 @@ void round_to_bf16_values(const float* src, int64_t rows, int64_t cols, int64_t 
   }
 }
 
+void round_to_bf16_sum_rows(const float* x, int64_t rows, int64_t n, uint16_t* dst, float* __restrict out) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {  // sum_rows' order: row by row, each column on its own
+    const float* __restrict xr = x + r * n;
+    uint16_t* __restrict d = dst + r * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      d[j] = bf16_of(xr[j]);
+      out[j] += xr[j];
+    }
+  }
+}
+
 }  // namespace
 
 const Table& make_table(const char* isa) {
@@ -394,6 +408,7 @@ const Table& make_table(const char* isa) {
                        adamw,
                        adamw_stream,
                        round_to_bf16,
-                       round_to_bf16_values};
+                       round_to_bf16_values,
+                       round_to_bf16_sum_rows};
   return t;
 }

@@ -93,7 +93,17 @@ struct LinearBackward : Node {
     Tensor g = g_in.contiguous();  // (M, out)
     Tensor gx, gw, gb;
     const bool bf16 = x.dtype() == DType::bf16;
-    const Tensor g16 = bf16 && (next[0] || next[1]) ? g.to(DType::bf16) : Tensor();
+    const bool bias = next.size() > 2 && next[2];
+    Tensor g16;
+    if (bf16 && (next[0] || next[1])) {
+      g16 = Tensor::empty({m, out}, DType::bf16);
+      if (bias) {  // the bias's gradient summed in the same read of g as its rounding
+        gb = autograd::gradient_buffer(next[2], {out});
+        kernels::table().round_to_bf16_sum_rows(g.data(), m, out, static_cast<uint16_t*>(g16.raw_data()), gb.data());
+      } else {
+        g16 = g.to(DType::bf16);
+      }
+    }
     if (next[0]) {
       gx = Tensor::empty({m, in});
       if (bf16) {
@@ -111,7 +121,7 @@ struct LinearBackward : Node {
         gemm(true, false, out, in, m, 1.0f, g.data(), x.data(), 0.0f, gw.data());
       }
     }
-    if (next.size() > 2 && next[2]) {
+    if (bias && !gb.defined()) {
       gb = autograd::gradient_buffer(next[2], {out});
       kernels::table().sum_rows(g.data(), gb.data(), m, out);
     }

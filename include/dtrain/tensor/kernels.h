@@ -55,6 +55,9 @@ struct Table {
   void (*round_to_bf16)(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst);
   /// The same rounding with the values kept as f32.
   void (*round_to_bf16_values)(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst);
+  /// round_to_bf16 of contiguous x (rows, n) into dst and sum_rows of it into out (the same bits
+  /// as the two apart) in one read of x: a bf16 linear layer's output gradient and its bias's.
+  void (*round_to_bf16_sum_rows)(const float* x, int64_t rows, int64_t n, uint16_t* dst, float* out);
 };
 
 /// The table for this CPU (chosen once; see the top of this file).
