@@ -241,7 +241,7 @@ const UnaryCase kUnaryOps[] = {
      false},
     {"neg", ops::neg, [](double x) { return -x; }, -2, 2, false},
     {"relu", ops::relu, [](double x) { return x > 0 ? x : 0.0; }, -2, 2, true},
-    {"gelu", ops::gelu, gelu_ref, -3, 3, false},
+    {"gelu", [](const Tensor& a) { return ops::gelu(a); }, gelu_ref, -3, 3, false},
     {"tanh", ops::tanh, [](double x) { return std::tanh(x); }, -2, 2, false},
     {"exp", ops::exp, [](double x) { return std::exp(x); }, -2, 2, false},
     {"log", ops::log, [](double x) { return std::log(x); }, 0.5, 3, false},

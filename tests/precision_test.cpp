@@ -9,8 +9,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cli_util.h"
@@ -20,6 +22,7 @@
 #include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/random.h"
+#include "gradcheck.h"
 
 namespace dtrain {
 namespace {
@@ -103,6 +106,54 @@ TEST(Bf16Ops, EveryProductOpAndItsGradientsStayWithinBf16RoundingOfF32) {
 
 // Below attention_bf16_min_head_dim() the attention's products stay f32 under bf16: output and
 // gradient bit for bit those of --precision f32; from it up, rounded (checked above).
+// Layer norm, GELU and the attention write a bf16 output (for the linear layer after them under
+// bf16 products) with the bits Tensor::to gives their f32 output, and a linear layer fed that bf16
+// output gives the same output and gradients, bit for bit, as one fed the f32 output: it rounds
+// its input to the same values. Both attention routes (kernels and library) included.
+TEST(Bf16Ops, OpsWriteBf16OutputsAsTheLinearLayerWouldRoundThem) {
+  PrecisionGuard guard(Precision::bf16);
+  const Tensor w = randn({12, 24}, 40), bias = randn({12}, 41);
+  using Op = std::function<Tensor(const Tensor&, DType)>;
+  const std::vector<std::pair<std::string, Op>> ops_under_test = {
+      {"layer_norm",
+       [](const Tensor& x, DType out) {
+         return ops::layer_norm(x, Tensor::ones({24}), Tensor::full({24}, 0.25f), 1e-5f, out);
+       }},
+      {"gelu", [](const Tensor& x, DType out) { return ops::gelu(x, out); }},
+      {"attention, kernels", [](const Tensor& x, DType out) { return ops::causal_attention(x, 2, out); }},
+      {"attention, library", [](const Tensor& x, DType out) {
+         ops::set_attention_kernels(false);
+         Tensor y = ops::causal_attention(x, 2, out);
+         ops::set_attention_kernels(true);
+         return y;
+       }}};
+  for (const auto& [name, op] : ops_under_test) {
+    const bool attention = name.rfind("attention", 0) == 0;
+    // (2, 9, 24) rows for the first two; the attention reads (2, 9, 72) and writes (2, 9, 24).
+    const Tensor x0 = randn({2, 9, attention ? 72 : 24}, 42);
+    auto run_with = [&](DType out) {
+      Tensor x = x0.detach().clone().set_requires_grad(true);
+      Tensor y = op(x, out);
+      EXPECT_EQ(y.dtype(), out) << name;
+      Tensor z = ops::linear(y, w, bias);
+      ops::sum(ops::mul(z, z)).backward();
+      return std::make_tuple(y.to(DType::bf16), z.to_vector(), x.grad().to_vector());
+    };
+    const auto [y16, z16, g16] = run_with(DType::bf16);
+    const auto [y32, z32, g32] = run_with(DType::f32);
+    EXPECT_EQ(std::memcmp(y16.raw_data(), y32.raw_data(), static_cast<size_t>(y16.numel()) * 2), 0) << name;
+    EXPECT_EQ(z16, z32) << name;
+    EXPECT_EQ(g16, g32) << name;
+  }
+  EXPECT_TRUE(test::throws_with([] { ops::gelu(Tensor::zeros({3}), DType::f16); }, {"gelu", "f16", "f32 or bf16"}));
+  set_matmul_precision(Precision::f32);
+  EXPECT_TRUE(test::throws_with(
+      [&] {
+        ops::linear(Tensor::zeros({2, 24}).to(DType::bf16), w, bias);
+      },
+      {"linear", "[2, 24]", "bf16", "--precision bf16"}));
+}
+
 TEST(Bf16Ops, AttentionBelowTheBf16HeadDimensionIsF32BitForBit) {
   const int64_t saved_dim = ops::attention_bf16_min_head_dim();
   ops::set_attention_bf16_min_head_dim(9);  // head dimension 32 / 4 = 8: just below

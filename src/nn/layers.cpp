@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "dtrain/core/error.h"
+#include "dtrain/tensor/gemm.h"
 #include "dtrain/tensor/ops.h"
 
 namespace dtrain::nn {
@@ -95,10 +96,22 @@ TransformerBlock::TransformerBlock(const GptConfig& cfg, int64_t /*layer*/, Gene
   gpt_init(*fc_proj_, gen, res_std);
 }
 
+namespace {
+
+// Under bf16 products the inputs of the linear layers (the layer norms', the attention's and
+// GELU's outputs) are written as bf16 by the ops that make them: the bits the layers would round
+// them to, without an f32 copy in between.
+DType linear_input_dtype() { return matmul_precision() == Precision::bf16 ? DType::bf16 : DType::f32; }
+
+}  // namespace
+
 Tensor TransformerBlock::forward(const Tensor& x) {
-  Tensor a = proj_->forward(ops::causal_attention(qkv_->forward(ln1_->forward(x)), heads_));
+  const DType in = linear_input_dtype();
+  const Tensor n1 = ops::layer_norm(x, ln1_->weight, ln1_->bias, ln1_->eps, in);
+  Tensor a = proj_->forward(ops::causal_attention(qkv_->forward(n1), heads_, in));
   Tensor h = ops::add(x, drop_->forward(a));
-  Tensor m = fc_proj_->forward(ops::gelu(fc_->forward(ln2_->forward(h))));
+  const Tensor n2 = ops::layer_norm(h, ln2_->weight, ln2_->bias, ln2_->eps, in);
+  Tensor m = fc_proj_->forward(ops::gelu(fc_->forward(n2), in));
   return ops::add(h, drop_->forward(m));
 }
 
@@ -108,6 +121,8 @@ GptHead::GptHead(const GptConfig& cfg, Generator& gen) {
   gpt_init(*lm_head_, gen, kInitStd);
 }
 
-Tensor GptHead::forward(const Tensor& x) { return lm_head_->forward(ln_f_->forward(x)); }
+Tensor GptHead::forward(const Tensor& x) {
+  return lm_head_->forward(ops::layer_norm(x, ln_f_->weight, ln_f_->bias, ln_f_->eps, linear_input_dtype()));
+}
 
 }  // namespace dtrain::nn

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <vector>
 
+#include "bf16_out.h"
 #include "dot_tiles.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
@@ -347,8 +348,9 @@ void set_attention_block_rows(int64_t rows) {
   g_block_rows = rows;
 }
 
-Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
+Tensor causal_attention(const Tensor& qkv_in, int64_t n_head, DType out_dtype) {
   profile::Scope scope(profile::Kind::attention);
+  detail::check_out_dtype(out_dtype, "causal_attention");
   DT_CHECK(qkv_in.defined(), "tensor", "causal_attention: qkv is undefined");
   DT_CHECK(qkv_in.dtype() == DType::f32, "tensor", "causal_attention: qkv {} is {}, expected f32",
            shape_str(qkv_in.shape()), dtype_name(qkv_in.dtype()));
@@ -359,15 +361,25 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
   const int64_t H = n_head, hd = C / H;
   const float scale = hd > 0 ? 1.0f / std::sqrt(static_cast<float>(hd)) : 1.0f;
   Tensor qkv = qkv_in.detach().contiguous();
-  Tensor out = Tensor::empty({B, T, C});
+  Tensor out = Tensor::empty({B, T, C}, out_dtype);
   // bf16 products: qkv rounded once (and kept for the backward instead of its f32 values), P per head.
   const bool bf16 = attention_products_bf16(hd);
   const bool dot = T > 0 && hd > 0 && (bf16 ? attention_bf16_kernel() : attention_f32_kernel());
   Tensor att = Tensor::empty({B, H, T, dot ? 2 : T});  // the kernels' route saves the softmax's stats only
   const float* pq = qkv.data();
-  float* po = out.data();
-  float* pa = att.data();
   const kernels::Table& kern = kernels::table();
+  // A bf16 output: the kernels' routes write a sequence's f32 output at a time into ob (in L2) and
+  // round it into out; the library's route writes all of it in f32 (out32) and rounds at the end.
+  const bool out16 = out_dtype == DType::bf16;
+  auto* po16 = out16 ? static_cast<uint16_t*>(out.raw_data()) : nullptr;
+  std::vector<float> ob(out16 && dot ? static_cast<size_t>(T * C) : 0);
+  Tensor out32 = out16 && !dot ? Tensor::empty({B, T, C}) : Tensor();
+  float* po = out16 ? (dot ? nullptr : out32.data()) : out.data();
+  auto out_of = [&](int64_t b) { return out16 ? ob.data() : po + b * T * C; };
+  auto round_out = [&](int64_t b) {
+    if (out16) kern.round_to_bf16(ob.data(), 1, T * C, T * C, po16 + b * T * C);
+  };
+  float* pa = att.data();
   const int64_t block = g_block_rows;
   const Tensor qkv16 = bf16 ? qkv.to(DType::bf16) : Tensor();
   std::vector<uint16_t> p16(bf16 ? static_cast<size_t>(T * T) : 0);
@@ -380,8 +392,9 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t q = b * T * 3 * C + h * hd;
         forward_head_f32(pq + q, pq + q + C, pq + q + 2 * C, 3 * C, T, hd, scale, pa + (b * H + h) * T * 2,
-                         po + b * T * C + h * hd, C, scratch);
+                         out_of(b) + h * hd, C, scratch);
       }
+      round_out(b);
     }
   }
   if (dot && bf16) {
@@ -390,8 +403,9 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t q = b * T * 3 * C + h * hd;
         forward_head_dot(bits(qkv16) + q, bits(qkv16) + q + C, bits(qkv16) + q + 2 * C, 3 * C, T, hd, scale,
-                         pa + (b * H + h) * T * 2, po + b * T * C + h * hd, C, scratch);
+                         pa + (b * H + h) * T * 2, out_of(b) + h * hd, C, scratch);
       }
+      round_out(b);
     }
   }
   for (int64_t b = 0; b < B && T > 0 && hd > 0 && !dot; ++b) {
@@ -411,7 +425,15 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head) {
       }
     }
   }
-  if (hd == 0 || T == 0) out.fill_(0.0f);
+  if (hd == 0 || T == 0) {
+    if (out16) {
+      std::fill_n(po16, out.numel(), uint16_t{0});
+    } else {
+      out.fill_(0.0f);
+    }
+  } else if (out16 && !dot) {
+    kern.round_to_bf16(out32.data(), 1, out.numel(), out.numel(), po16);
+  }
   if (autograd::needs_grad({&qkv_in})) {
     auto node = std::make_shared<AttentionBackward>();
     node->qkv = bf16 ? qkv16 : qkv;

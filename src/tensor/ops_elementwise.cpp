@@ -1,6 +1,7 @@
 // Elementwise ops with NumPy broadcasting, and their gradients.
 #include <cmath>
 
+#include "bf16_out.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/kernels.h"
@@ -273,12 +274,19 @@ Tensor relu(const Tensor& a) {
       /*save_output=*/true);
 }
 
-Tensor gelu(const Tensor& a) {
+Tensor gelu(const Tensor& a, DType out_dtype) {
   profile::Scope scope(profile::Kind::gelu);
   check_f32(a, "gelu");
+  detail::check_out_dtype(out_dtype, "gelu");
   Tensor x = a.detach().contiguous();
-  Tensor out = Tensor::empty(a.shape());
-  kernels::table().gelu_forward(x.data(), out.data(), out.numel());
+  Tensor out = Tensor::empty(a.shape(), out_dtype);
+  if (out_dtype == DType::bf16) {
+    const float* px = x.data();
+    detail::produce_bf16(out.numel(), 1, static_cast<uint16_t*>(out.raw_data()),
+                         [&](float* y, int64_t begin, int64_t n) { kernels::table().gelu_forward(px + begin, y, n); });
+  } else {
+    kernels::table().gelu_forward(x.data(), out.data(), out.numel());
+  }
   if (autograd::needs_grad({&a})) {
     auto node = std::make_shared<GeluBackward>();
     node->x = x;

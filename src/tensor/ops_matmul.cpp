@@ -178,7 +178,12 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 
 Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
   profile::Scope scope(profile::Kind::linear);
-  check_f32(x_in, "linear", "input");
+  const bool bf16 = matmul_precision() == Precision::bf16;
+  if (!(bf16 && x_in.defined() && x_in.dtype() == DType::bf16)) {  // bf16 x: the rounding the product does
+    DT_CHECK(!x_in.defined() || x_in.dtype() != DType::bf16, "tensor",
+             "linear: input {} is bf16, which needs bf16 products (--precision bf16)", shape_str(x_in.shape()));
+    check_f32(x_in, "linear", "input");
+  }
   check_f32(weight, "linear", "weight");
   DT_CHECK(weight.dim() == 2, "tensor", "linear: weight must be (out, in), got {}", shape_str(weight.shape()));
   DT_CHECK(x_in.dim() >= 1 && x_in.size(-1) == weight.size(1), "tensor",
@@ -196,9 +201,8 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
   Tensor w = weight.detach().contiguous();
   Tensor out = Tensor::empty({m, out_f});
   float* po = out.data();
-  const bool bf16 = matmul_precision() == Precision::bf16;
   if (bf16) {
-    x = x.to(DType::bf16);
+    if (x.dtype() != DType::bf16) x = x.to(DType::bf16);
     w = w.to(DType::bf16);
   }
   const int64_t lx = std::max<int64_t>(1, in);

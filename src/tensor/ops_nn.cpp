@@ -2,6 +2,7 @@
 // layer norm, embedding, dropout.
 #include <cmath>
 
+#include "bf16_out.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/kernels.h"
@@ -161,7 +162,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
   return out;
 }
 
-Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, float eps) {
+Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, float eps, DType out_dtype) {
   profile::Scope scope(profile::Kind::layer_norm);
   check_input(x_in, "layer_norm", "input");
   check_input(weight, "layer_norm", "weight");
@@ -170,15 +171,26 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, 
   DT_CHECK(weight.dim() == 1 && weight.size(0) == c && bias.dim() == 1 && bias.size(0) == c, "tensor",
            "layer_norm: input {} needs weight and bias [{}], got {} and {}", shape_str(x_in.shape()), c,
            shape_str(weight.shape()), shape_str(bias.shape()));
+  detail::check_out_dtype(out_dtype, "layer_norm");
   const int64_t rows = c == 0 ? 0 : x_in.numel() / c;
   Tensor x = x_in.detach().contiguous();
   Tensor w = weight.detach().contiguous();
   Tensor b = bias.detach().contiguous();
-  Tensor out = Tensor::empty(x_in.shape());
+  Tensor out = Tensor::empty(x_in.shape(), out_dtype);
   Tensor mean_t = Tensor::empty({rows});
   Tensor rstd_t = Tensor::empty({rows});
-  kernels::table().layer_norm_forward(x.data(), w.data(), b.data(), out.data(), mean_t.data(), rstd_t.data(), rows, c,
-                                      eps);
+  if (out_dtype == DType::bf16) {  // whole rows at a time
+    const float* px = x.data();
+    float* pm = mean_t.data();
+    float* pr = rstd_t.data();
+    detail::produce_bf16(rows * c, c, static_cast<uint16_t*>(out.raw_data()), [&](float* y, int64_t begin, int64_t n) {
+      kernels::table().layer_norm_forward(px + begin, w.data(), b.data(), y, pm + begin / c, pr + begin / c, n / c, c,
+                                          eps);
+    });
+  } else {
+    kernels::table().layer_norm_forward(x.data(), w.data(), b.data(), out.data(), mean_t.data(), rstd_t.data(), rows, c,
+                                        eps);
+  }
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     auto node = std::make_shared<LayerNormBackward>();
     node->x = x;

@@ -21,8 +21,10 @@ Tensor add_scalar(const Tensor& a, float s);
 Tensor mul_scalar(const Tensor& a, float s);
 Tensor neg(const Tensor& a);
 Tensor relu(const Tensor& a);
-/// tanh approximation, as GPT-2.
-Tensor gelu(const Tensor& a);
+/// tanh approximation, as GPT-2. `out` f32, or bf16 for a bf16 product's input (linear under
+/// --precision bf16): the f32 values rounded to nearest even, as Tensor::to gives them, without
+/// an f32 copy written out and read back. The same holds for layer_norm and causal_attention.
+Tensor gelu(const Tensor& a, DType out = DType::f32);
 Tensor tanh(const Tensor& a);
 Tensor exp(const Tensor& a);
 Tensor log(const Tensor& a);
@@ -42,7 +44,8 @@ Tensor mean(const Tensor& a, const std::vector<int64_t>& dims = {}, bool keepdim
 // ---- linear algebra ----
 /// a (..., M, K) x b (K, N) or b (..., K, N) with the same leading dims -> (..., M, N).
 Tensor matmul(const Tensor& a, const Tensor& b);
-/// x (..., in) W (out, in)^T + bias (out) -> (..., out). bias may be undefined.
+/// x (..., in) W (out, in)^T + bias (out) -> (..., out). bias may be undefined. Under bf16
+/// products x may be bf16 already (the products round it anyway); its gradient is f32.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
 
 // ---- neural-network ops (over the last dimension) ----
@@ -50,11 +53,11 @@ Tensor softmax(const Tensor& a);
 Tensor log_softmax(const Tensor& a);
 /// Mean cross-entropy of logits (N, C) against integer class targets (N) stored as f32.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets);
-Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps = 1e-5f);
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps = 1e-5f, DType out = DType::f32);
 /// Rows of weight (V, C) picked by integer ids stored as f32 (any shape S) -> (S..., C).
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 /// Fused causal self-attention: qkv (B, T, 3C) laid out [q | k | v], n_head heads -> (B, T, C).
-Tensor causal_attention(const Tensor& qkv, int64_t n_head);
+Tensor causal_attention(const Tensor& qkv, int64_t n_head, DType out = DType::f32);
 /// Rows per causal block of causal_attention (64): its products skip the masked part block by
 /// block. Settable for tests (small blocks on small inputs); not thread-safe.
 int64_t attention_block_rows();
