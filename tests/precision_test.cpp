@@ -154,6 +154,35 @@ TEST(Bf16Ops, OpsWriteBf16OutputsAsTheLinearLayerWouldRoundThem) {
       {"linear", "[2, 24]", "bf16", "--precision bf16"}));
 }
 
+// linear_gelu is gelu(linear(...)) in one node: the same output and gradients, bit for bit, at
+// both precisions, with a bias and without, with a bf16 output under bf16 products.
+TEST(Bf16Ops, LinearGeluIsGeluOfLinearBitForBit) {
+  for (const Precision precision : {Precision::f32, Precision::bf16}) {
+    PrecisionGuard guard(precision);
+    const DType out = precision == Precision::bf16 ? DType::bf16 : DType::f32;
+    for (const bool with_bias : {true, false}) {
+      auto run_with = [&](bool fused) {
+        Tensor x = randn({3, 7, 24}, 50).set_requires_grad(true);
+        Tensor w = randn({40, 24}, 51).set_requires_grad(true);
+        Tensor b = with_bias ? randn({40}, 52).set_requires_grad(true) : Tensor();
+        Tensor y = fused ? ops::linear_gelu(x, w, b, out) : ops::gelu(ops::linear(x, w, b), out);
+        EXPECT_EQ(y.dtype(), out);
+        Tensor z = ops::linear(y, randn({5, 40}, 53), Tensor());
+        ops::sum(ops::mul(z, z)).backward();
+        std::vector<std::vector<float>> r{z.to_vector(), x.grad().to_vector(), w.grad().to_vector()};
+        if (with_bias) r.push_back(b.grad().to_vector());
+        return r;
+      };
+      const auto fused = run_with(true), apart = run_with(false);
+      ASSERT_EQ(fused.size(), apart.size());
+      for (size_t i = 0; i < fused.size(); ++i) {
+        EXPECT_EQ(fused[i], apart[i]) << (precision == Precision::bf16 ? "bf16" : "f32") << " bias " << with_bias
+                                      << " result " << i;
+      }
+    }
+  }
+}
+
 TEST(Bf16Ops, AttentionBelowTheBf16HeadDimensionIsF32BitForBit) {
   const int64_t saved_dim = ops::attention_bf16_min_head_dim();
   ops::set_attention_bf16_min_head_dim(9);  // head dimension 32 / 4 = 8: just below

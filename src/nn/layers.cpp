@@ -111,7 +111,7 @@ Tensor TransformerBlock::forward(const Tensor& x) {
   Tensor a = proj_->forward(ops::causal_attention(qkv_->forward(n1), heads_, in));
   Tensor h = ops::add(x, drop_->forward(a));
   const Tensor n2 = ops::layer_norm(h, ln2_->weight, ln2_->bias, ln2_->eps, in);
-  Tensor m = fc_proj_->forward(ops::gelu(fc_->forward(n2), in));
+  Tensor m = fc_proj_->forward(ops::linear_gelu(n2, fc_->weight, fc_->bias, in));
   return ops::add(h, drop_->forward(m));
 }
 

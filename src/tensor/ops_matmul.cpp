@@ -1,6 +1,7 @@
 // Matrix products (batched matmul and linear) with gradients, on dtrain::sgemm (gemm.h).
 #include <algorithm>
 
+#include "bf16_out.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/autograd.h"
 #include "dtrain/tensor/gemm.h"
@@ -89,13 +90,14 @@ struct LinearBackward : Node {
   Tensor x, w;  // x (M, in) contiguous, w (out, in): f32, or bf16 under bf16 products
   Shape x_shape;
   int64_t m, in, out;
-  std::vector<Tensor> apply(const Tensor& g_in) override {
-    Tensor g = g_in.contiguous();  // (M, out)
-    Tensor gx, gw, gb;
+  std::vector<Tensor> apply(const Tensor& g_in) override { return grads(g_in.contiguous(), Tensor(), Tensor()); }
+  // The gradients from g (M, out), f32; under bf16 products g16 (its rounding) and gb (the bias's
+  // gradient) may come made already, and then g is not read (LinearGeluBackward).
+  std::vector<Tensor> grads(const Tensor& g, Tensor g16, Tensor gb) {
+    Tensor gx, gw;
     const bool bf16 = x.dtype() == DType::bf16;
     const bool bias = next.size() > 2 && next[2];
-    Tensor g16;
-    if (bf16 && (next[0] || next[1])) {
+    if (bf16 && (next[0] || next[1]) && !g16.defined()) {
       g16 = Tensor::empty({m, out}, DType::bf16);
       if (bias) {  // the bias's gradient summed in the same read of g as its rounding
         gb = autograd::gradient_buffer(next[2], {out});
@@ -131,6 +133,70 @@ struct LinearBackward : Node {
   const char* name() const override { return "linear"; }
   profile::Kind profile_kind() const override { return profile::Kind::linear; }
 };
+
+// gelu(linear(x)) as one node, so that under bf16 products GELU's gradient goes into the
+// product's bf16 operand and the bias's sum through an L1-sized chunk, never written out in f32.
+struct LinearGeluBackward : LinearBackward {
+  Tensor h;  // the pre-activation x W^T + b (M, out), f32
+  std::vector<Tensor> apply(const Tensor& g_in) override {
+    const Tensor g = g_in.contiguous();
+    const kernels::Table& kern = kernels::table();
+    if (x.dtype() != DType::bf16) {
+      Tensor dh = Tensor::empty({m, out});
+      {
+        profile::Scope scope(profile::Kind::gelu);
+        kern.gelu_backward(h.data(), g.data(), dh.data(), m * out);
+      }
+      return grads(dh, Tensor(), Tensor());
+    }
+    Tensor g16 = Tensor::empty({m, out}, DType::bf16);
+    Tensor gb;
+    if (next.size() > 2 && next[2]) {  // sum_rows' order: zeros, then row after row
+      gb = autograd::gradient_buffer(next[2], {out});
+      gb.fill_(0.0f);
+    }
+    const float* ph = h.data();
+    const float* pg = g.data();
+    auto* p16 = static_cast<uint16_t*>(g16.raw_data());
+    {
+      profile::Scope scope(profile::Kind::gelu);
+      detail::produce_bf16(m * out, out, p16, [&](float* dh, int64_t begin, int64_t n) {
+        kern.gelu_backward(ph + begin, pg + begin, dh, n);
+        for (int64_t r = 0; gb.defined() && r < n / out; ++r) kern.add_into(gb.data(), dh + r * out, out);
+      });
+    }
+    return grads(Tensor(), g16, gb);
+  }
+  void release() override {
+    LinearBackward::release();
+    h = Tensor();
+  }
+  const char* name() const override { return "linear_gelu"; }
+};
+
+// x W^T + b, with the operands rounded and kept as LinearBackward wants them.
+struct LinearProduct {
+  Tensor out, x, w;  // out (M, out) f32; x, w contiguous (bf16 under bf16 products)
+  int64_t m = 0, in = 0, out_f = 0;
+};
+
+LinearProduct linear_product(const Tensor& x_in, const Tensor& weight, const Tensor& bias);
+
+template <typename Node>
+void attach_linear(const std::shared_ptr<Node>& node, const LinearProduct& p, Tensor& out, const Tensor& x_in,
+                   const Tensor& weight, const Tensor& bias) {
+  node->x = p.x;
+  node->w = p.w;
+  node->x_shape = x_in.shape();
+  node->m = p.m;
+  node->in = p.in;
+  node->out = p.out_f;
+  if (bias.defined()) {
+    autograd::attach(out, node, {&x_in, &weight, &bias});
+  } else {
+    autograd::attach(out, node, {&x_in, &weight});
+  }
+}
 
 }  // namespace
 
@@ -176,8 +242,9 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   return out;
 }
 
-Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
-  profile::Scope scope(profile::Kind::linear);
+namespace {
+
+LinearProduct linear_product(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
   const bool bf16 = matmul_precision() == Precision::bf16;
   if (!(bf16 && x_in.defined() && x_in.dtype() == DType::bf16)) {  // bf16 x: the rounding the product does
     DT_CHECK(!x_in.defined() || x_in.dtype() != DType::bf16, "tensor",
@@ -218,22 +285,47 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
   } else {
     gemm(false, true, m, out_f, in, 1.0f, x.data(), w.data(), 0.0f, po);
   }
-  Shape out_shape = x_in.shape();
-  out_shape.back() = out_f;
-  out = out.reshape(out_shape);
+  return {out, x, w, m, in, out_f};
+}
+
+Shape linear_shape(const Tensor& x_in, int64_t out_f) {
+  Shape s = x_in.shape();
+  s.back() = out_f;
+  return s;
+}
+
+}  // namespace
+
+Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
+  profile::Scope scope(profile::Kind::linear);
+  LinearProduct p = linear_product(x_in, weight, bias);
+  Tensor out = p.out.reshape(linear_shape(x_in, p.out_f));
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
-    auto node = std::make_shared<LinearBackward>();
-    node->x = x;
-    node->w = w;
-    node->x_shape = x_in.shape();
-    node->m = m;
-    node->in = in;
-    node->out = out_f;
-    if (bias.defined()) {
-      autograd::attach(out, node, {&x_in, &weight, &bias});
+    attach_linear(std::make_shared<LinearBackward>(), p, out, x_in, weight, bias);
+  }
+  return out;
+}
+
+Tensor linear_gelu(const Tensor& x_in, const Tensor& weight, const Tensor& bias, DType out_dtype) {
+  profile::Scope scope(profile::Kind::linear);
+  detail::check_out_dtype(out_dtype, "linear_gelu");
+  LinearProduct p = linear_product(x_in, weight, bias);
+  Tensor out = Tensor::empty(linear_shape(x_in, p.out_f), out_dtype);
+  {
+    profile::Scope gelu_scope(profile::Kind::gelu);
+    const float* ph = p.out.data();
+    if (out_dtype == DType::bf16) {
+      detail::produce_bf16(
+          out.numel(), 1, static_cast<uint16_t*>(out.raw_data()),
+          [&](float* y, int64_t begin, int64_t n) { kernels::table().gelu_forward(ph + begin, y, n); });
     } else {
-      autograd::attach(out, node, {&x_in, &weight});
+      kernels::table().gelu_forward(ph, out.data(), out.numel());
     }
+  }
+  if (autograd::needs_grad({&x_in, &weight, &bias})) {
+    auto node = std::make_shared<LinearGeluBackward>();
+    node->h = p.out;
+    attach_linear(node, p, out, x_in, weight, bias);
   }
   return out;
 }

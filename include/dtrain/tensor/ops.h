@@ -47,6 +47,9 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (..., in) W (out, in)^T + bias (out) -> (..., out). bias may be undefined. Under bf16
 /// products x may be bf16 already (the products round it anyway); its gradient is f32.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
+/// gelu(linear(x, weight, bias), out) as one op, the same bits: under bf16 products its backward
+/// rounds GELU's gradient for the products and sums the bias's in one pass, chunk by chunk.
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, DType out = DType::f32);
 
 // ---- neural-network ops (over the last dimension) ----
 Tensor softmax(const Tensor& a);
