@@ -98,8 +98,8 @@ struct LinearBackward : Node {
     const bool bf16 = x.dtype() == DType::bf16;
     const bool bias = next.size() > 2 && next[2];
     if (bf16 && (next[0] || next[1]) && !g16.defined()) {
-      g16 = Tensor::empty({m, out}, DType::bf16);
       if (bias) {  // the bias's gradient summed in the same read of g as its rounding
+        g16 = Tensor::empty({m, out}, DType::bf16);
         gb = autograd::gradient_buffer(next[2], {out});
         kernels::table().round_to_bf16_sum_rows(g.data(), m, out, static_cast<uint16_t*>(g16.raw_data()), gb.data());
       } else {
