@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 
 namespace dtrain::torch_backend {
 
@@ -32,16 +33,33 @@ void PendingWork::finish(std::exception_ptr error) {
       epilogue = nullptr;
     }
     cv_.notify_all();
-    if (future) mark_future(future, error);
+    if (!future) return;
+    auto completer = completer_.lock();
+    if (completer && !Completer::on_this_thread()) {
+      completer->complete(future, error, outputs);  // its callbacks on the futures' thread (work.h)
+    } else {
+      mark_future(future, error);
+    }
   });
 }
 
-void PendingWork::mark_future(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error) {
+namespace {
+
+void complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error,
+                     const std::vector<at::Tensor>& value) {
   if (error) {
     future->setError(error);
   } else {
-    future->markCompleted(c10::IValue(outputs));
+    future->markCompleted(c10::IValue(value));
   }
+}
+
+thread_local bool t_completer_thread = false;
+
+}  // namespace
+
+void PendingWork::mark_future(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error) {
+  complete_future(future, error, outputs);
 }
 
 void PendingWork::finish_inline(std::exception_ptr error) { finish(std::move(error)); }
@@ -172,27 +190,55 @@ Completer::~Completer() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Completer::start_locked() {
+  if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+}
+
 void Completer::add(c10::intrusive_ptr<PendingWork> work) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(work));
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    start_locked();
   }
   cv_.notify_one();
 }
 
+void Completer::complete(c10::intrusive_ptr<c10::ivalue::Future> future, std::exception_ptr error,
+                         std::vector<at::Tensor> value) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    completions_.push_back({std::move(future), std::move(error), std::move(value)});
+    start_locked();
+  }
+  cv_.notify_one();
+}
+
+bool Completer::on_this_thread() { return t_completer_thread; }
+
 void Completer::run() {
   ::pthread_setname_np(::pthread_self(), "dtrain-futures");
+  t_completer_thread = true;
   while (true) {
     c10::intrusive_ptr<PendingWork> work;
+    std::optional<Completion> done;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything completed
-      work = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !completions_.empty(); });
+      if (!completions_.empty()) {  // ended elsewhere: only the future to complete, first
+        done = std::move(completions_.front());
+        completions_.pop_front();
+      } else if (!queue_.empty()) {
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      } else {
+        return;  // stopping, and everything completed
+      }
     }
-    work->wait_and_finish();
+    if (done) {
+      complete_future(done->future, done->error, done->value);
+    } else {
+      work->wait_and_finish();
+    }
   }
 }
 

@@ -80,6 +80,12 @@ class PendingWork final : public c10d::Work {
 /// One thread per process group, started by its first future: it waits for the works whose
 /// futures were asked for, in issue order, and completes them. Destroying it completes (or
 /// times out) every queued work first.
+///
+/// Futures are completed on this thread only: completing one runs its callbacks there and then
+/// (DDP's communication hooks: Python, which takes the GIL), and a work that ends elsewhere may
+/// end under an Ordering's mutex (a blocking wait, or the inflight works polled as another
+/// starts), while the thread holding the GIL waits for that mutex (getFuture() starts a
+/// deferred collective under it). That deadlock stopped one rank of a DDP job now and then.
 class Completer {
  public:
   Completer() = default;
@@ -87,12 +93,24 @@ class Completer {
   Completer(const Completer&) = delete;
   Completer& operator=(const Completer&) = delete;
   void add(c10::intrusive_ptr<PendingWork> work);
+  /// Completes `future` with `value` (or `error`) on this thread.
+  void complete(c10::intrusive_ptr<c10::ivalue::Future> future, std::exception_ptr error,
+                std::vector<at::Tensor> value);
+  /// Whether the calling thread is a Completer's.
+  static bool on_this_thread();
 
  private:
+  struct Completion {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    std::exception_ptr error;
+    std::vector<at::Tensor> value;
+  };
+  void start_locked();
   void run();
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<PendingWork>> queue_;
+  std::deque<Completion> completions_;
   bool stopping_ = false;
   std::thread thread_;
 };
