@@ -32,4 +32,16 @@ void produce_bf16(int64_t n, int64_t unit, uint16_t* dst, const Produce& produce
   }
 }
 
+/// out's values from produce(buffer, begin, count), as produce_bf16 gives them where out is bf16,
+/// or in one call straight into out (f32). produce is not called for an empty out.
+template <typename Produce>
+void produce_into(Tensor& out, int64_t unit, const Produce& produce) {
+  if (out.numel() == 0) return;
+  if (out.dtype() == DType::bf16) {
+    produce_bf16(out.numel(), unit, static_cast<uint16_t*>(out.raw_data()), produce);
+  } else {
+    produce(out.data(), 0, out.numel());
+  }
+}
+
 }  // namespace dtrain::detail

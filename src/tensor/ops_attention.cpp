@@ -91,7 +91,6 @@ Operand probabilities(const float* p, int64_t t, std::vector<uint16_t>& rounded)
 // packed once per head (dot_tiles.h's pairs); dS and P are packed tile by tile for dK and dV.
 constexpr int64_t kDotRows = 8;
 
-//
 // Like FlashAttention, the kernels' route keeps no (T, T) probabilities between forward and
 // backward: the forward saves each row's softmax shift and 1 / sum (stats, (T, 2) per head), and
 // the backward computes S again, tile by tile, and P from it (causal_softmax_recompute_tile: the
@@ -232,7 +231,6 @@ void backward_head_f32(const float* q, const float* k, const float* v, int64_t l
 struct AttentionBackward : Node {
   Tensor qkv;  // (B, T, 3C) contiguous: f32, or bf16 under bf16 products
   Tensor att;  // (B, H, T, T) probabilities on the library's route; (B, H, T, 2) softmax stats on the kernels'
-
   int64_t b_size, t_size, c_size, n_head;
   bool dot = false;  // the forward ran on dot_tiles.h's kernel: so does the backward
   std::vector<Tensor> apply(const Tensor& g_in) override {

@@ -280,13 +280,9 @@ Tensor gelu(const Tensor& a, DType out_dtype) {
   detail::check_out_dtype(out_dtype, "gelu");
   Tensor x = a.detach().contiguous();
   Tensor out = Tensor::empty(a.shape(), out_dtype);
-  if (out_dtype == DType::bf16) {
-    const float* px = x.data();
-    detail::produce_bf16(out.numel(), 1, static_cast<uint16_t*>(out.raw_data()),
-                         [&](float* y, int64_t begin, int64_t n) { kernels::table().gelu_forward(px + begin, y, n); });
-  } else {
-    kernels::table().gelu_forward(x.data(), out.data(), out.numel());
-  }
+  const float* px = x.data();
+  detail::produce_into(out, 1,
+                       [&](float* y, int64_t begin, int64_t n) { kernels::table().gelu_forward(px + begin, y, n); });
   if (autograd::needs_grad({&a})) {
     auto node = std::make_shared<GeluBackward>();
     node->x = x;

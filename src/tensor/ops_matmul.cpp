@@ -246,9 +246,10 @@ namespace {
 
 LinearProduct linear_product(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
   const bool bf16 = matmul_precision() == Precision::bf16;
-  if (!(bf16 && x_in.defined() && x_in.dtype() == DType::bf16)) {  // bf16 x: the rounding the product does
-    DT_CHECK(!x_in.defined() || x_in.dtype() != DType::bf16, "tensor",
-             "linear: input {} is bf16, which needs bf16 products (--precision bf16)", shape_str(x_in.shape()));
+  if (x_in.defined() && x_in.dtype() == DType::bf16) {  // the rounding the bf16 product does anyway
+    DT_CHECK(bf16, "tensor", "linear: input {} is bf16, which needs bf16 products (--precision bf16)",
+             shape_str(x_in.shape()));
+  } else {
     check_f32(x_in, "linear", "input");
   }
   check_f32(weight, "linear", "weight");
@@ -314,13 +315,8 @@ Tensor linear_gelu(const Tensor& x_in, const Tensor& weight, const Tensor& bias,
   {
     profile::Scope gelu_scope(profile::Kind::gelu);
     const float* ph = p.out.data();
-    if (out_dtype == DType::bf16) {
-      detail::produce_bf16(
-          out.numel(), 1, static_cast<uint16_t*>(out.raw_data()),
-          [&](float* y, int64_t begin, int64_t n) { kernels::table().gelu_forward(ph + begin, y, n); });
-    } else {
-      kernels::table().gelu_forward(ph, out.data(), out.numel());
-    }
+    detail::produce_into(out, 1,
+                         [&](float* y, int64_t begin, int64_t n) { kernels::table().gelu_forward(ph + begin, y, n); });
   }
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     auto node = std::make_shared<LinearGeluBackward>();

@@ -179,18 +179,13 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, 
   Tensor out = Tensor::empty(x_in.shape(), out_dtype);
   Tensor mean_t = Tensor::empty({rows});
   Tensor rstd_t = Tensor::empty({rows});
-  if (out_dtype == DType::bf16) {  // whole rows at a time
-    const float* px = x.data();
-    float* pm = mean_t.data();
-    float* pr = rstd_t.data();
-    detail::produce_bf16(rows * c, c, static_cast<uint16_t*>(out.raw_data()), [&](float* y, int64_t begin, int64_t n) {
-      kernels::table().layer_norm_forward(px + begin, w.data(), b.data(), y, pm + begin / c, pr + begin / c, n / c, c,
-                                          eps);
-    });
-  } else {
-    kernels::table().layer_norm_forward(x.data(), w.data(), b.data(), out.data(), mean_t.data(), rstd_t.data(), rows, c,
+  const float* px = x.data();
+  float* pm = mean_t.data();
+  float* pr = rstd_t.data();
+  detail::produce_into(out, c, [&](float* y, int64_t begin, int64_t n) {  // whole rows at a time
+    kernels::table().layer_norm_forward(px + begin, w.data(), b.data(), y, pm + begin / c, pr + begin / c, n / c, c,
                                         eps);
-  }
+  });
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     auto node = std::make_shared<LayerNormBackward>();
     node->x = x;

@@ -10,6 +10,21 @@
 
 namespace dtrain::torch_backend {
 
+namespace {
+
+void complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error,
+                     const std::vector<at::Tensor>& value) {
+  if (error) {
+    future->setError(error);
+  } else {
+    future->markCompleted(c10::IValue(value));
+  }
+}
+
+thread_local bool t_completer_thread = false;
+
+}  // namespace
+
 PendingWork::PendingWork(int rank, c10d::OpType type, std::chrono::milliseconds timeout,
                          std::weak_ptr<Completer> completer)
     : c10d::Work(rank, type), timeout_(timeout), completer_(std::move(completer)) {}
@@ -38,28 +53,9 @@ void PendingWork::finish(std::exception_ptr error) {
     if (completer && !Completer::on_this_thread()) {
       completer->complete(future, error, outputs);  // its callbacks on the futures' thread (work.h)
     } else {
-      mark_future(future, error);
+      complete_future(future, error, outputs);
     }
   });
-}
-
-namespace {
-
-void complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error,
-                     const std::vector<at::Tensor>& value) {
-  if (error) {
-    future->setError(error);
-  } else {
-    future->markCompleted(c10::IValue(value));
-  }
-}
-
-thread_local bool t_completer_thread = false;
-
-}  // namespace
-
-void PendingWork::mark_future(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error) {
-  complete_future(future, error, outputs);
 }
 
 void PendingWork::finish_inline(std::exception_ptr error) { finish(std::move(error)); }
@@ -172,7 +168,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PendingWork::getFuture() {
     error = exception_;
   }
   if (completed) {
-    mark_future(future, error);
+    complete_future(future, error, outputs);
   } else if (auto completer = completer_.lock()) {
     completer->add(c10::intrusive_ptr<PendingWork>::reclaim_copy(this));
   } else {

@@ -67,7 +67,6 @@ class PendingWork final : public c10d::Work {
  private:
   friend class Ordering;
   void finish(std::exception_ptr error);
-  void mark_future(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error);
   void start_if_deferred();
 
   const std::chrono::milliseconds timeout_;
