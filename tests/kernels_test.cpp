@@ -32,7 +32,7 @@ std::vector<float> randn(int64_t n, uint64_t seed, float scale = 1.0f) {
 // Each instruction set this CPU runs.
 std::vector<const kernels::Table*> tables() {
   std::vector<const kernels::Table*> out;
-  for (const char* isa : {"avx512", "avx2", "build"}) {
+  for (const char* isa : {"avx512_bf16", "avx512", "avx2", "build"}) {
     if (const kernels::Table* t = kernels::table_for(isa)) out.push_back(t);
   }
   return out;
@@ -171,6 +171,54 @@ TEST(Kernels, GeluAndItsGradientMatchTheExactTanhForm) {
   }
 }
 
+// GELU written as bf16 (the fc layer's output and gradient under bf16 products) is round_to_bf16
+// of the f32 kernels' values, bit for bit, denormals included (the avx512_bf16 table's one-
+// instruction rounding flushes them, and must then redo its pass exactly); the gradient's column
+// sums are sum_rows' (row after row, added into what was there, once). And an element's value does
+// not depend on where a call's range starts or ends (GELU's tails are masked vectors).
+TEST(Kernels, GeluWritesBf16AsRoundToBf16Would) {
+  for (const kernels::Table* k : tables()) {
+    for (int64_t n : kWidths) {
+      SCOPED_TRACE(std::string(k->isa) + " n=" + std::to_string(n));
+      const int64_t rows = 3, total = rows * n;
+      std::vector<float> x = randn(total, 60 + static_cast<uint64_t>(n), 3.0f);
+      std::vector<float> g = randn(total, 61);
+      x[0] = 1e-38f;                 // gelu(x) about x / 2: a denormal
+      if (total > 2) g[2] = 1e-39f;  // a denormal gradient
+      if (total > 3) x[3] = -100.0f;
+      std::vector<float> y(x.size()), gx(x.size());
+      k->gelu_forward(x.data(), y.data(), total);
+      k->gelu_backward(x.data(), g.data(), gx.data(), total);
+      std::vector<uint16_t> y_want(x.size()), gx_want(x.size()), y16(x.size()), gx16(x.size()), gx16_plain(x.size());
+      for (size_t i = 0; i < x.size(); ++i) y_want[i] = f32_to_bf16(y[i]), gx_want[i] = f32_to_bf16(gx[i]);
+      EXPECT_NE(y_want[0], 0) << "a denormal that rounds to a nonzero bf16";
+      k->gelu_forward_bf16(x.data(), y16.data(), total);
+      EXPECT_EQ(y16, y_want);
+      std::vector<float> sums(static_cast<size_t>(n), 0.5f), sums_want = sums;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < n; ++j) sums_want[static_cast<size_t>(j)] += gx[static_cast<size_t>(r * n + j)];
+      }
+      k->gelu_backward_bf16(x.data(), g.data(), rows, n, gx16.data(), sums.data());
+      k->gelu_backward_bf16(x.data(), g.data(), rows, n, gx16_plain.data(), nullptr);
+      EXPECT_EQ(gx16, gx_want);
+      EXPECT_EQ(gx16_plain, gx_want);
+      EXPECT_EQ(std::memcmp(sums.data(), sums_want.data(), sums.size() * sizeof(float)), 0);
+      // A range cut anywhere gives the same values as one call over all of it.
+      for (int64_t cut : {int64_t{1}, n / 2, total - 1}) {
+        if (cut <= 0 || cut >= total) continue;
+        std::vector<float> parts(x.size());
+        std::vector<uint16_t> parts16(x.size());
+        k->gelu_forward(x.data(), parts.data(), cut);
+        k->gelu_forward(x.data() + cut, parts.data() + cut, total - cut);
+        k->gelu_forward_bf16(x.data(), parts16.data(), cut);
+        k->gelu_forward_bf16(x.data() + cut, parts16.data() + cut, total - cut);
+        EXPECT_EQ(std::memcmp(parts.data(), y.data(), y.size() * sizeof(float)), 0) << "cut " << cut;
+        EXPECT_EQ(parts16, y_want) << "cut " << cut;
+      }
+    }
+  }
+}
+
 TEST(Kernels, CausalSoftmaxRowsNormaliseThePrefixAndZeroTheRest) {
   for (const kernels::Table* k : tables()) {
     for (int64_t t : kWidths) {
@@ -213,7 +261,8 @@ TEST(Kernels, SumsAndAdamWAreTheScalarArithmetic) {
       for (int64_t i = 0; i < n; ++i)
         EXPECT_EQ(sum[static_cast<size_t>(i)], a[static_cast<size_t>(i)] + b[static_cast<size_t>(i)]);
       // Rows summed in row order, element by element: exactly the scalar loop.
-      const std::vector<float> m = randn(5 * n, 42);
+      std::vector<float> m = randn(5 * n, 42);
+      m[0] = 3e-39f;  // a denormal: the avx512_bf16 table's fast rounding redoes its pass, sums once
       std::vector<float> cols(static_cast<size_t>(n), 123.0f);
       k->sum_rows(m.data(), cols.data(), 5, n);
       for (int64_t j = 0; j < n; ++j) {
@@ -284,6 +333,8 @@ TEST(Kernels, Bf16RoundingIsNearestEvenWithNanAndInfinityKept) {
                                 -std::numeric_limits<float>::infinity(),
                                 std::numeric_limits<float>::quiet_NaN(),
                                 std::numeric_limits<float>::denorm_min(),
+                                std::ldexp(1.0f, -127),   // a denormal: bf16 0x0040 (vcvtneps2bf16 gives 0)
+                                -std::ldexp(3.0f, -130),  // another, negative
                                 std::numeric_limits<float>::max(),
                                 -3.14159f};
   const std::vector<float> more = randn(100, 50, 1e3f);

@@ -154,6 +154,59 @@ TEST(Bf16Ops, OpsWriteBf16OutputsAsTheLinearLayerWouldRoundThem) {
       {"linear", "[2, 24]", "bf16", "--precision bf16"}));
 }
 
+// linear with a bf16 output (the GPT's qkv under bf16 products, rounded by oneDNN's epilogue
+// where it runs the product) has the bits of its f32 output rounded by Tensor::to; the attention
+// fed it gives the output and gradients of the attention fed the f32 qkv (which it rounds the same
+// way), bit for bit, on both routes. Under f32 products the attention refuses a bf16 qkv.
+TEST(Bf16Ops, LinearWritesTheAttentionsBf16QkvAsItWouldRoundIt) {
+  const int64_t saved_dim = ops::attention_bf16_min_head_dim();
+  ops::set_attention_bf16_min_head_dim(1);  // bf16 products on the library's route too
+  for (const Precision precision : {Precision::f32, Precision::bf16}) {
+    PrecisionGuard guard(precision);
+    for (const bool kernels : {true, false}) {
+      ops::set_attention_kernels(kernels);
+      const std::string where =
+          std::string(precision == Precision::bf16 ? "bf16" : "f32") + (kernels ? ", kernels" : ", library");
+      auto run_with = [&](DType qkv_dtype, bool attend) {
+        Tensor x = randn({2, 9, 24}, 70).set_requires_grad(true);
+        Tensor w = randn({72, 24}, 71).set_requires_grad(true);
+        Tensor b = randn({72}, 72).set_requires_grad(true);
+        Tensor qkv = ops::linear(x, w, b, qkv_dtype);
+        EXPECT_EQ(qkv.dtype(), qkv_dtype) << where;
+        EXPECT_EQ(qkv.shape(), (Shape{2, 9, 72})) << where;
+        const Tensor rounded = qkv.to(DType::bf16);
+        std::vector<uint16_t> bits(static_cast<size_t>(rounded.numel()));
+        std::memcpy(bits.data(), rounded.raw_data(), bits.size() * 2);
+        std::vector<std::vector<float>> r;
+        if (attend) {
+          Tensor z = ops::causal_attention(qkv, 2);
+          ops::sum(ops::mul(z, z)).backward();
+          r = {z.to_vector(), x.grad().to_vector(), w.grad().to_vector(), b.grad().to_vector()};
+        }
+        return std::make_pair(bits, r);
+      };
+      const auto [bits16, r16] = run_with(DType::bf16, precision == Precision::bf16);
+      const auto [bits32, r32] = run_with(DType::f32, precision == Precision::bf16);
+      EXPECT_EQ(bits16, bits32) << where;
+      ASSERT_EQ(r16.size(), r32.size());
+      for (size_t i = 0; i < r16.size(); ++i) EXPECT_EQ(r16[i], r32[i]) << where << " result " << i;
+    }
+  }
+  ops::set_attention_kernels(true);
+  set_matmul_precision(Precision::f32);
+  EXPECT_TRUE(test::throws_with(
+      [] {
+        ops::causal_attention(Tensor::zeros({1, 4, 24}).to(DType::bf16), 2);
+      },
+      {"causal_attention", "[1, 4, 24]", "bf16", "--precision bf16"}));
+  EXPECT_TRUE(test::throws_with(
+      [] {
+        ops::linear(Tensor::zeros({2, 3}), Tensor::zeros({4, 3}), Tensor(), DType::f16);
+      },
+      {"linear", "f16", "f32 or bf16"}));
+  ops::set_attention_bf16_min_head_dim(saved_dim);
+}
+
 // linear_gelu is gelu(linear(...)) in one node: the same output and gradients, bit for bit, at
 // both precisions, with a bias and without, with a bf16 output under bf16 products.
 TEST(Bf16Ops, LinearGeluIsGeluOfLinearBitForBit) {

@@ -108,7 +108,11 @@ DType linear_input_dtype() { return matmul_precision() == Precision::bf16 ? DTyp
 Tensor TransformerBlock::forward(const Tensor& x) {
   const DType in = linear_input_dtype();
   const Tensor n1 = ops::layer_norm(x, ln1_->weight, ln1_->bias, ln1_->eps, in);
-  Tensor a = proj_->forward(ops::causal_attention(qkv_->forward(n1), heads_, in));
+  // The attention reads qkv only as bf16 where its products are bf16: the product writes it so.
+  const int64_t head_dim = qkv_->weight.size(0) / 3 / heads_;
+  const DType qkv_dtype = ops::attention_products_bf16(head_dim) ? DType::bf16 : DType::f32;
+  const Tensor qkv = ops::linear(n1, qkv_->weight, qkv_->bias, qkv_dtype);
+  Tensor a = proj_->forward(ops::causal_attention(qkv, heads_, in));
   Tensor h = ops::add(x, drop_->forward(a));
   const Tensor n2 = ops::layer_norm(h, ln2_->weight, ln2_->bias, ln2_->eps, in);
   Tensor m = fc_proj_->forward(ops::linear_gelu(n2, fc_->weight, fc_->bias, in));

@@ -34,9 +34,11 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/log.h"
+#include "dtrain/tensor/kernels.h"
 #include "dtrain/tensor/ops.h"
 #include "dtrain/tensor/profile.h"
 #include "gemm_cache.h"
@@ -460,6 +462,31 @@ void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
 #endif
   detail::fill_rows(bias, m, n, c);
   gemm_bf16(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
+}
+
+void gemm_bf16_to_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
+                       const uint16_t* b, int64_t ldb, const float* bias, uint16_t* c) {
+  profile::Scope scope(profile::Kind::matmul);
+  if (m == 0 || n == 0) return;
+#if DTRAIN_HAVE_ONEDNN
+  const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
+  if (k > 0 && dense && detail::bf16_products_native() &&
+      product_to_run("gemm_bf16_to_bf16", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, nullptr, n)) {
+    detail::MatmulShape shape =
+        detail::matmul_shape(true, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, bias != nullptr);
+    shape.c_bf16 = true;  // oneDNN's epilogue rounds to nearest even: the bits of round_to_bf16
+    detail::run_matmul(shape, a, b, bias, c);
+    return;
+  }
+#endif
+  thread_local std::vector<float> sums;
+  if (sums.size() < static_cast<size_t>(m * n)) sums.resize(static_cast<size_t>(m * n));
+  if (bias != nullptr) {
+    gemm_bf16_bias(trans_a, trans_b, m, n, k, a, lda, b, ldb, bias, sums.data());
+  } else {
+    gemm_bf16(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, sums.data(), n);
+  }
+  kernels::table().round_to_bf16(sums.data(), 1, m * n, m * n, c);
 }
 
 GemmBackend gemm_backend_for(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {

@@ -41,23 +41,25 @@ const std::string& bf16_products_route();
 
 #if DTRAIN_HAVE_ONEDNN
 /// One product on oneDNN's matmul primitive (gemm_matmul.cpp): C (M, N) = alpha op(A) op(B)
-/// [+ bias on every row] + beta C, operands f32 or bf16 in sgemm's layout, C f32.
+/// [+ bias on every row] + beta C, operands f32 or bf16 in sgemm's layout, C f32 (or bf16: the
+/// f32 sums rounded to nearest even by the kernel's epilogue, the bits of dtrain's rounding).
 struct MatmulShape {
-  bool bf16 = false;  // operands in bf16 (C stays f32)
+  bool bf16 = false;  // operands in bf16
   bool ta = false, tb = false;
   int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
   float alpha = 1.0f, beta = 0.0f;
-  bool bias = false;  // N f32 values added to every row of C
+  bool bias = false;    // N f32 values added to every row of C
+  bool c_bf16 = false;  // C written as bf16 (with beta 0)
 };
 inline MatmulShape matmul_shape(bool bf16, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
                                 int64_t ldc, float alpha, float beta, bool bias) {
-  return MatmulShape{bf16, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, bias};
+  return MatmulShape{bf16, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, bias, false};
 }
 dnnl::engine& onednn_engine();
 /// The primitive's description (built and kept by run_matmul; also asked what kernel it runs).
 dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& shape);
 /// Runs the product on the primitive kept for `shape` and the calling thread's thread count.
-void run_matmul(const MatmulShape& shape, const void* a, const void* b, const float* bias, float* c);
+void run_matmul(const MatmulShape& shape, const void* a, const void* b, const float* bias, void* c);
 #endif
 
 }  // namespace dtrain::detail

@@ -1,5 +1,6 @@
 // oneDNN's matmul primitive, for the products that the BLAS-like dnnl_sgemm cannot express: bf16
-// operands (gemm_bf16.cpp) and a bias added in the kernel's epilogue (gemm.h's sgemm_bias).
+// operands (gemm_bf16.cpp), a bias added in the kernel's epilogue (gemm.h's sgemm_bias) and a
+// bf16 result rounded there (gemm_bf16_bias_to_bf16).
 //
 // A primitive is built once per (operand type, shape, strides, alpha, beta, bias, threads) and
 // kept for the life of the process; building one takes far longer than running it. Threads of one
@@ -24,9 +25,9 @@ namespace {
 
 using dnnl::memory;
 
-// (bf16 operands, trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, bias, threads)
-using PrimitiveKey =
-    std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, bool, int>;
+// (bf16 operands, trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, bias, bf16 C, threads)
+using PrimitiveKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t,
+                                uint32_t, bool, bool, int>;
 
 struct Built {
   dnnl::matmul::primitive_desc desc;
@@ -62,8 +63,8 @@ memory::desc matmul_operand(bool bf16, int64_t rows, int64_t cols, bool trans, i
   return memory::desc({rows, cols}, operand_type(bf16), trans ? memory::dims{1, ld} : memory::dims{ld, 1});
 }
 
-memory::desc matmul_result(int64_t m, int64_t n, int64_t ldc) {
-  return memory::desc({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
+memory::desc matmul_result(int64_t m, int64_t n, int64_t ldc, bool bf16) {
+  return memory::desc({m, n}, operand_type(bf16), memory::dims{ldc, 1});
 }
 
 memory::desc matmul_bias(int64_t n) { return memory::desc({1, n}, memory::data_type::f32, memory::dims{n, 1}); }
@@ -71,7 +72,7 @@ memory::desc matmul_bias(int64_t n) { return memory::desc({1, n}, memory::data_t
 dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& s) {
   const memory::desc a = matmul_operand(s.bf16, s.m, s.k, s.ta, s.lda);
   const memory::desc b = matmul_operand(s.bf16, s.k, s.n, s.tb, s.ldb);
-  const memory::desc c = matmul_result(s.m, s.n, s.ldc);
+  const memory::desc c = matmul_result(s.m, s.n, s.ldc, s.c_bf16);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
@@ -84,11 +85,11 @@ dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& s) {
   return {dnnl::matmul::desc(a, b, c), attr, onednn_engine()};
 }
 
-void run_matmul(const MatmulShape& s, const void* a, const void* b, const float* bias, float* c) {
+void run_matmul(const MatmulShape& s, const void* a, const void* b, const float* bias, void* c) {
   const int threads = apply_omp_threads();
   Primitives& p = primitives();
-  const PrimitiveKey key{s.bf16, s.ta,  s.tb,          s.m,          s.n,    s.k,    s.lda,
-                         s.ldb,  s.ldc, bits(s.alpha), bits(s.beta), s.bias, threads};
+  const PrimitiveKey key{s.bf16, s.ta,  s.tb,          s.m,          s.n,    s.k,      s.lda,
+                         s.ldb,  s.ldc, bits(s.alpha), bits(s.beta), s.bias, s.c_bf16, threads};
   Built* built = nullptr;
   {
     std::lock_guard<std::mutex> lock(p.mu);
@@ -105,7 +106,7 @@ void run_matmul(const MatmulShape& s, const void* a, const void* b, const float*
   std::unordered_map<int, memory> args{
       {DNNL_ARG_SRC, memory(matmul_operand(s.bf16, s.m, s.k, s.ta, s.lda), onednn_engine(), const_cast<void*>(a))},
       {DNNL_ARG_WEIGHTS, memory(matmul_operand(s.bf16, s.k, s.n, s.tb, s.ldb), onednn_engine(), const_cast<void*>(b))},
-      {DNNL_ARG_DST, memory(matmul_result(s.m, s.n, s.ldc), onednn_engine(), c)}};
+      {DNNL_ARG_DST, memory(matmul_result(s.m, s.n, s.ldc, s.c_bf16), onednn_engine(), c)}};
   if (s.bias) args.emplace(DNNL_ARG_BIAS, memory(matmul_bias(s.n), onednn_engine(), const_cast<float*>(bias)));
   const memory::desc scratch_desc = built->desc.scratchpad_desc();
   thread_local std::vector<unsigned char> scratch;

@@ -350,21 +350,28 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head, DType out_dtype) {
   profile::Scope scope(profile::Kind::attention);
   detail::check_out_dtype(out_dtype, "causal_attention");
   DT_CHECK(qkv_in.defined(), "tensor", "causal_attention: qkv is undefined");
-  DT_CHECK(qkv_in.dtype() == DType::f32, "tensor", "causal_attention: qkv {} is {}, expected f32",
-           shape_str(qkv_in.shape()), dtype_name(qkv_in.dtype()));
+  DT_CHECK(qkv_in.dtype() == DType::f32 || qkv_in.dtype() == DType::bf16, "tensor",
+           "causal_attention: qkv {} is {}, expected f32 (or bf16 under bf16 products)", shape_str(qkv_in.shape()),
+           dtype_name(qkv_in.dtype()));
   DT_CHECK(qkv_in.dim() == 3 && qkv_in.size(2) % 3 == 0, "tensor", "causal_attention: qkv must be (B, T, 3C), got {}",
            shape_str(qkv_in.shape()));
   const int64_t B = qkv_in.size(0), T = qkv_in.size(1), C = qkv_in.size(2) / 3;
   DT_CHECK(n_head > 0 && C % n_head == 0, "tensor", "causal_attention: width {} not divisible by {} heads", C, n_head);
   const int64_t H = n_head, hd = C / H;
   const float scale = hd > 0 ? 1.0f / std::sqrt(static_cast<float>(hd)) : 1.0f;
+  // A bf16 qkv is what the products would round it to (linear's bf16 output): only for bf16 products.
+  const bool in16 = qkv_in.dtype() == DType::bf16;
+  DT_CHECK(!in16 || attention_products_bf16(hd), "tensor",
+           "causal_attention: qkv {} is bf16, which needs bf16 products (--precision bf16, head dimension {} at least "
+           "{})",
+           shape_str(qkv_in.shape()), hd, attention_bf16_min_head_dim());
   Tensor qkv = qkv_in.detach().contiguous();
   Tensor out = Tensor::empty({B, T, C}, out_dtype);
   // bf16 products: qkv rounded once (and kept for the backward instead of its f32 values), P per head.
   const bool bf16 = attention_products_bf16(hd);
   const bool dot = T > 0 && hd > 0 && (bf16 ? attention_bf16_kernel() : attention_f32_kernel());
   Tensor att = Tensor::empty({B, H, T, dot ? 2 : T});  // the kernels' route saves the softmax's stats only
-  const float* pq = qkv.data();
+  const float* pq = in16 ? nullptr : qkv.data();
   const kernels::Table& kern = kernels::table();
   // A bf16 output: the kernels' routes write a sequence's f32 output at a time into ob (in L2) and
   // round it into out; the library's route writes all of it in f32 (out32) and rounds at the end.
@@ -379,7 +386,7 @@ Tensor causal_attention(const Tensor& qkv_in, int64_t n_head, DType out_dtype) {
   };
   float* pa = att.data();
   const int64_t block = g_block_rows;
-  const Tensor qkv16 = bf16 ? qkv.to(DType::bf16) : Tensor();
+  const Tensor qkv16 = bf16 ? (in16 ? qkv : qkv.to(DType::bf16)) : Tensor();
   std::vector<uint16_t> p16(bf16 ? static_cast<size_t>(T * T) : 0);
   auto heads = [&](int64_t offset) {
     return bf16 ? Operand{bits(qkv16) + offset, 3 * C} : Operand{pq + offset, 3 * C};

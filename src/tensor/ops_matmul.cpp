@@ -155,15 +155,10 @@ struct LinearGeluBackward : LinearBackward {
       gb = autograd::gradient_buffer(next[2], {out});
       gb.fill_(0.0f);
     }
-    const float* ph = h.data();
-    const float* pg = g.data();
-    auto* p16 = static_cast<uint16_t*>(g16.raw_data());
-    {
+    {  // GELU's gradient rounded and summed for the bias in registers, never written in f32
       profile::Scope scope(profile::Kind::gelu);
-      detail::produce_bf16(m * out, out, p16, [&](float* dh, int64_t begin, int64_t n) {
-        kern.gelu_backward(ph + begin, pg + begin, dh, n);
-        for (int64_t r = 0; gb.defined() && r < n / out; ++r) kern.add_into(gb.data(), dh + r * out, out);
-      });
+      kern.gelu_backward_bf16(h.data(), g.data(), m, out, static_cast<uint16_t*>(g16.raw_data()),
+                              gb.defined() ? gb.data() : nullptr);
     }
     return grads(Tensor(), g16, gb);
   }
@@ -174,13 +169,14 @@ struct LinearGeluBackward : LinearBackward {
   const char* name() const override { return "linear_gelu"; }
 };
 
-// x W^T + b, with the operands rounded and kept as LinearBackward wants them.
+// x W^T + b: the operands checked, rounded and kept as LinearBackward wants them.
 struct LinearProduct {
-  Tensor out, x, w;  // out (M, out) f32; x, w contiguous (bf16 under bf16 products)
+  Tensor x, w, b;  // x, w contiguous (bf16 under bf16 products); b the bias, contiguous, or undefined
   int64_t m = 0, in = 0, out_f = 0;
+  bool bf16 = false;  // bf16 products
 };
 
-LinearProduct linear_product(const Tensor& x_in, const Tensor& weight, const Tensor& bias);
+LinearProduct linear_operands(const Tensor& x_in, const Tensor& weight, const Tensor& bias);
 
 template <typename Node>
 void attach_linear(const std::shared_ptr<Node>& node, const LinearProduct& p, Tensor& out, const Tensor& x_in,
@@ -244,7 +240,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 
 namespace {
 
-LinearProduct linear_product(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
+LinearProduct linear_operands(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
   const bool bf16 = matmul_precision() == Precision::bf16;
   if (x_in.defined() && x_in.dtype() == DType::bf16) {  // the rounding the bf16 product does anyway
     DT_CHECK(bf16, "tensor", "linear: input {} is bf16, which needs bf16 products (--precision bf16)",
@@ -257,36 +253,43 @@ LinearProduct linear_product(const Tensor& x_in, const Tensor& weight, const Ten
   DT_CHECK(x_in.dim() >= 1 && x_in.size(-1) == weight.size(1), "tensor",
            "linear: input {} does not match weight {} (expected last dim {})", shape_str(x_in.shape()),
            shape_str(weight.shape()), weight.size(1));
-  const int64_t in = weight.size(1);
-  const int64_t out_f = weight.size(0);
+  LinearProduct p;
+  p.in = weight.size(1);
+  p.out_f = weight.size(0);
   if (bias.defined()) {
     check_f32(bias, "linear", "bias");
-    DT_CHECK(bias.dim() == 1 && bias.size(0) == out_f, "tensor", "linear: bias {} does not match weight {}",
+    DT_CHECK(bias.dim() == 1 && bias.size(0) == p.out_f, "tensor", "linear: bias {} does not match weight {}",
              shape_str(bias.shape()), shape_str(weight.shape()));
+    p.b = bias.detach().contiguous();
   }
-  const int64_t m = in == 0 ? shape_numel(Shape(x_in.shape().begin(), x_in.shape().end() - 1)) : x_in.numel() / in;
-  Tensor x = x_in.detach().contiguous();
-  Tensor w = weight.detach().contiguous();
-  Tensor out = Tensor::empty({m, out_f});
-  float* po = out.data();
+  p.m = p.in == 0 ? shape_numel(Shape(x_in.shape().begin(), x_in.shape().end() - 1)) : x_in.numel() / p.in;
+  p.x = x_in.detach().contiguous();
+  p.w = weight.detach().contiguous();
+  p.bf16 = bf16;
   if (bf16) {
-    if (x.dtype() != DType::bf16) x = x.to(DType::bf16);
-    w = w.to(DType::bf16);
+    if (p.x.dtype() != DType::bf16) p.x = p.x.to(DType::bf16);
+    p.w = p.w.to(DType::bf16);
   }
-  const int64_t lx = std::max<int64_t>(1, in);
-  if (bias.defined()) {  // the bias added by the product itself (gemm.h's sgemm_bias)
-    Tensor bc = bias.detach().contiguous();
-    if (bf16) {
-      gemm_bf16_bias(false, true, m, out_f, in, bf16_bits(x), lx, bf16_bits(w), lx, bc.data(), po);
+  return p;
+}
+
+// Rows [r0, r1) of x W^T + b into out (M, out), f32; the bias added by the product itself
+// (gemm.h's sgemm_bias and gemm_bf16_bias). The same bits whatever the rows: each is its own sums.
+void linear_rows(const LinearProduct& p, float* out, int64_t r0, int64_t r1) {
+  const int64_t rows = r1 - r0, lx = std::max<int64_t>(1, p.in), ldo = std::max<int64_t>(1, p.out_f);
+  float* po = out + r0 * p.out_f;
+  if (p.bf16) {
+    const uint16_t* x = bf16_bits(p.x) + r0 * p.in;
+    if (p.b.defined()) {
+      gemm_bf16_bias(false, true, rows, p.out_f, p.in, x, lx, bf16_bits(p.w), lx, p.b.data(), po);
     } else {
-      sgemm_bias(false, true, m, out_f, in, x.data(), lx, w.data(), lx, bc.data(), po);
+      gemm_bf16(false, true, rows, p.out_f, p.in, 1.0f, x, lx, bf16_bits(p.w), lx, 0.0f, po, ldo);
     }
-  } else if (bf16) {
-    gemm_bf16_packed(false, true, m, out_f, in, x, w, 0.0f, po);
+  } else if (p.b.defined()) {
+    sgemm_bias(false, true, rows, p.out_f, p.in, p.x.data() + r0 * p.in, lx, p.w.data(), lx, p.b.data(), po);
   } else {
-    gemm(false, true, m, out_f, in, 1.0f, x.data(), w.data(), 0.0f, po);
+    gemm(false, true, rows, p.out_f, p.in, 1.0f, p.x.data() + r0 * p.in, p.w.data(), 0.0f, po);
   }
-  return {out, x, w, m, in, out_f};
 }
 
 Shape linear_shape(const Tensor& x_in, int64_t out_f) {
@@ -297,10 +300,22 @@ Shape linear_shape(const Tensor& x_in, int64_t out_f) {
 
 }  // namespace
 
-Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
+Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias, DType out_dtype) {
   profile::Scope scope(profile::Kind::linear);
-  LinearProduct p = linear_product(x_in, weight, bias);
-  Tensor out = p.out.reshape(linear_shape(x_in, p.out_f));
+  detail::check_out_dtype(out_dtype, "linear");
+  LinearProduct p = linear_operands(x_in, weight, bias);
+  Tensor out;
+  if (out_dtype == DType::bf16 && p.bf16) {  // rounded by the product's epilogue, never written in f32
+    out = Tensor::empty({p.m, p.out_f}, DType::bf16);
+    gemm_bf16_to_bf16(false, true, p.m, p.out_f, p.in, bf16_bits(p.x), std::max<int64_t>(1, p.in), bf16_bits(p.w),
+                      std::max<int64_t>(1, p.in), p.b.defined() ? p.b.data() : nullptr,
+                      static_cast<uint16_t*>(out.raw_data()));
+  } else {
+    out = Tensor::empty({p.m, p.out_f});
+    linear_rows(p, out.data(), 0, p.m);
+    if (out_dtype == DType::bf16) out = out.to(DType::bf16);  // f32 products, their results rounded
+  }
+  out = out.reshape(linear_shape(x_in, p.out_f));
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     attach_linear(std::make_shared<LinearBackward>(), p, out, x_in, weight, bias);
   }
@@ -310,17 +325,21 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias) {
 Tensor linear_gelu(const Tensor& x_in, const Tensor& weight, const Tensor& bias, DType out_dtype) {
   profile::Scope scope(profile::Kind::linear);
   detail::check_out_dtype(out_dtype, "linear_gelu");
-  LinearProduct p = linear_product(x_in, weight, bias);
+  LinearProduct p = linear_operands(x_in, weight, bias);
+  Tensor h = Tensor::empty({p.m, p.out_f});  // the pre-activation, kept for the backward
+  linear_rows(p, h.data(), 0, p.m);
   Tensor out = Tensor::empty(linear_shape(x_in, p.out_f), out_dtype);
   {
     profile::Scope gelu_scope(profile::Kind::gelu);
-    const float* ph = p.out.data();
-    detail::produce_into(out, 1,
-                         [&](float* y, int64_t begin, int64_t n) { kernels::table().gelu_forward(ph + begin, y, n); });
+    if (out_dtype == DType::bf16) {  // rounded in registers, as round_to_bf16 would
+      kernels::table().gelu_forward_bf16(h.data(), static_cast<uint16_t*>(out.raw_data()), out.numel());
+    } else {
+      kernels::table().gelu_forward(h.data(), out.data(), out.numel());
+    }
   }
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     auto node = std::make_shared<LinearGeluBackward>();
-    node->h = p.out;
+    node->h = h;
     attach_linear(node, p, out, x_in, weight, bias);
   }
   return out;

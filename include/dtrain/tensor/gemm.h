@@ -105,6 +105,11 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
 /// gemm_bf16 with a bias, as sgemm_bias: C (M, N), dense, = op(A) op(B) + bias on every row.
 void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
                     const uint16_t* b, int64_t ldb, const float* bias, float* c);
+/// gemm_bf16 (bias: nullptr, or as gemm_bf16_bias) with C (M, N), dense, written as bf16: the f32
+/// sums rounded to nearest even, the bits of Tensor::to(DType::bf16), for a product whose result is
+/// only ever read as a bf16 operand (the attention's qkv). oneDNN rounds them in its epilogue.
+void gemm_bf16_to_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
+                       const uint16_t* b, int64_t ldb, const float* bias, uint16_t* c);
 /// What bf16 products run on here, or what they fall back to and why, for logs and reports.
 std::string bf16_products_route();
 /// Whether bf16 products run on bf16 instructions (false: the fallback).

@@ -1,12 +1,13 @@
 // The memory-bound kernels behind the ops and the optimizer (layer norm, softmax, cross-entropy,
 // GELU, attention's softmax, AdamW, gradient sums, bf16 rounding), vectorised.
 //
-// One source (src/tensor/kernels_impl.h) is compiled once per instruction set: AVX-512, AVX2+FMA
-// and the build's own flags. The widest one this CPU runs is picked at the first call, capped by
-// DTRAIN_KERNELS_ISA or, when that is unset, ONEDNN_MAX_CPU_ISA (avx2: the AVX2 build; sse41 or
-// avx: the build's flags), so that one switch holds oneDNN and these kernels to a smaller CPU and
-// the AVX2 path can be tested on an AVX-512 machine. Sums over a row run in vector lanes, so the
-// last bits of a result depend on the instruction set (as oneDNN's and OpenBLAS's do).
+// One source (src/tensor/kernels_impl.h) is compiled once per instruction set: AVX-512 with
+// AVX512_BF16 (the same bits as AVX-512, bf16 rounding in one instruction), AVX-512, AVX2+FMA and
+// the build's own flags. The widest one this CPU runs is picked at the first call, capped by
+// DTRAIN_KERNELS_ISA or, when that is unset, ONEDNN_MAX_CPU_ISA (avx512 or avx512_core: AVX-512
+// without bf16; avx2: the AVX2 build; sse41 or avx: the build's flags), so that one switch holds oneDNN and these
+// kernels to a smaller CPU and the AVX2 path can be tested on an AVX-512 machine. Sums over a row run in vector lanes,
+// so the last bits of a result depend on the instruction set (as oneDNN's and OpenBLAS's do).
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,11 @@ struct Table {
   /// GELU (tanh form) and its gradient g * gelu'(x).
   void (*gelu_forward)(const float* x, float* y, int64_t n);
   void (*gelu_backward)(const float* x, const float* g, float* gx, int64_t n);
+  /// The same written as bf16 (round_to_bf16's bits) without an f32 copy: GELU's output for a
+  /// bf16 product; and the gradient of rows x n for the fc layer's bf16 products, with its column
+  /// sums added into sums (sum_rows' order, row after row) where sums is not null.
+  void (*gelu_forward_bf16)(const float* x, uint16_t* y, int64_t n);
+  void (*gelu_backward_bf16)(const float* x, const float* g, int64_t rows, int64_t n, uint16_t* gx, float* sums);
   /// Causal attention's softmax of one score row in place: entries [0, len) normalised, the
   /// rest [len, t) zeroed; and the backward of a row, dS = P * (dP - sum(dP * P)), in place.
   void (*causal_softmax_row)(float* row, int64_t len, int64_t t);
@@ -62,7 +68,7 @@ struct Table {
 
 /// The table for this CPU (chosen once; see the top of this file).
 const Table& table();
-/// The table of one instruction set ("avx512", "avx2", "build"), or null when this CPU cannot
+/// The table of one instruction set ("avx512_bf16", "avx512", "avx2", "build"), or null when this CPU cannot
 /// run it (or the name is none of them): for tests and benchmarks of every variant.
 const Table* table_for(std::string_view isa);
 

@@ -45,8 +45,10 @@ Tensor mean(const Tensor& a, const std::vector<int64_t>& dims = {}, bool keepdim
 /// a (..., M, K) x b (K, N) or b (..., K, N) with the same leading dims -> (..., M, N).
 Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (..., in) W (out, in)^T + bias (out) -> (..., out). bias may be undefined. Under bf16
-/// products x may be bf16 already (the products round it anyway); its gradient is f32.
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
+/// products x may be bf16 already (the products round it anyway); its gradient is f32. `out` bf16:
+/// the f32 results rounded to nearest even (under bf16 products by the product itself), for a
+/// result that is only read as a bf16 operand (the attention's qkv).
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, DType out = DType::f32);
 /// gelu(linear(x, weight, bias), out) as one op, the same bits: under bf16 products its backward
 /// rounds GELU's gradient for the products and sums the bias's in one pass, chunk by chunk.
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, DType out = DType::f32);
@@ -60,6 +62,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, flo
 /// Rows of weight (V, C) picked by integer ids stored as f32 (any shape S) -> (S..., C).
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 /// Fused causal self-attention: qkv (B, T, 3C) laid out [q | k | v], n_head heads -> (B, T, C).
+/// qkv f32, or bf16 where its products are bf16 (attention_products_bf16: they would round it).
 Tensor causal_attention(const Tensor& qkv, int64_t n_head, DType out = DType::f32);
 /// Rows per causal block of causal_attention (64): its products skip the masked part block by
 /// block. Settable for tests (small blocks on small inputs); not thread-safe.
