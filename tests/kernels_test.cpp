@@ -177,8 +177,10 @@ TEST(Kernels, GeluAndItsGradientMatchTheExactTanhForm) {
 // sums are sum_rows' (row after row, added into what was there, once). And an element's value does
 // not depend on where a call's range starts or ends (GELU's tails are masked vectors).
 TEST(Kernels, GeluWritesBf16AsRoundToBf16Would) {
+  std::vector<int64_t> widths(std::begin(kWidths), std::end(kWidths));
+  widths.push_back(4100);  // rows past one 4096-value block of the AVX512_BF16 table's rerun
   for (const kernels::Table* k : tables()) {
-    for (int64_t n : kWidths) {
+    for (int64_t n : widths) {
       SCOPED_TRACE(std::string(k->isa) + " n=" + std::to_string(n));
       const int64_t rows = 3, total = rows * n;
       std::vector<float> x = randn(total, 60 + static_cast<uint64_t>(n), 3.0f);
@@ -186,6 +188,7 @@ TEST(Kernels, GeluWritesBf16AsRoundToBf16Would) {
       x[0] = 1e-38f;                 // gelu(x) about x / 2: a denormal
       if (total > 2) g[2] = 1e-39f;  // a denormal gradient
       if (total > 3) x[3] = -100.0f;
+      if (total > 4) x[total - 2] = -2e-38f;  // a denormal in the last row and block, a tail lane
       std::vector<float> y(x.size()), gx(x.size());
       k->gelu_forward(x.data(), y.data(), total);
       k->gelu_backward(x.data(), g.data(), gx.data(), total);
@@ -262,7 +265,8 @@ TEST(Kernels, SumsAndAdamWAreTheScalarArithmetic) {
         EXPECT_EQ(sum[static_cast<size_t>(i)], a[static_cast<size_t>(i)] + b[static_cast<size_t>(i)]);
       // Rows summed in row order, element by element: exactly the scalar loop.
       std::vector<float> m = randn(5 * n, 42);
-      m[0] = 3e-39f;  // a denormal: the avx512_bf16 table's fast rounding redoes its pass, sums once
+      m[0] = 3e-39f;  // denormals: the avx512_bf16 table's fast rounding redoes those rows, sums once
+      m[static_cast<size_t>(3 * n - 1)] = -5e-39f;  // a middle row's last lane (a tail where n % 16)
       std::vector<float> cols(static_cast<size_t>(n), 123.0f);
       k->sum_rows(m.data(), cols.data(), 5, n);
       for (int64_t j = 0; j < n; ++j) {

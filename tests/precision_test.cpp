@@ -155,7 +155,8 @@ TEST(Bf16Ops, OpsWriteBf16OutputsAsTheLinearLayerWouldRoundThem) {
 }
 
 // linear with a bf16 output (the GPT's qkv under bf16 products, rounded by oneDNN's epilogue
-// where it runs the product) has the bits of its f32 output rounded by Tensor::to; the attention
+// where it runs the product) has the bits of its f32 output rounded by Tensor::to (but for f32
+// denormals, which oneDNN flushes to zero; there are none here); the attention
 // fed it gives the output and gradients of the attention fed the f32 qkv (which it rounds the same
 // way), bit for bit, on both routes. Under f32 products the attention refuses a bf16 qkv.
 TEST(Bf16Ops, LinearWritesTheAttentionsBf16QkvAsItWouldRoundIt) {

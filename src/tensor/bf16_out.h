@@ -32,6 +32,16 @@ void produce_bf16(int64_t n, int64_t unit, uint16_t* dst, const Produce& produce
   }
 }
 
+/// GELU of x (out's size of values) into out: f32, or bf16 rounded in registers (the bits of f32
+/// GELU rounded by round_to_bf16).
+inline void gelu_into(const float* x, Tensor& out) {
+  if (out.dtype() == DType::bf16) {
+    kernels::table().gelu_forward_bf16(x, static_cast<uint16_t*>(out.raw_data()), out.numel());
+  } else {
+    kernels::table().gelu_forward(x, out.data(), out.numel());
+  }
+}
+
 /// out's values from produce(buffer, begin, count), as produce_bf16 gives them where out is bf16,
 /// or in one call straight into out (f32). produce is not called for an empty out.
 template <typename Produce>

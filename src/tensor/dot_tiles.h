@@ -22,8 +22,9 @@
 
 namespace dtrain::detail {
 
-/// Whether these kernels run here: the CPU has AVX512_BF16 and the kernels' instruction set
-/// (kernels::table(), capped by DTRAIN_KERNELS_ISA or ONEDNN_MAX_CPU_ISA) is AVX-512.
+/// Whether these kernels run here: the kernels' instruction set (kernels::table(), capped by
+/// DTRAIN_KERNELS_ISA or ONEDNN_MAX_CPU_ISA) is AVX-512 with AVX512_BF16 (a cap of avx512 or
+/// AVX512_CORE holds the attention's products off bf16 instructions as it holds oneDNN's).
 bool bf16_dot_available();
 
 /// Whether the f32 functions run here: the kernels' instruction set is AVX-512.

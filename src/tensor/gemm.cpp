@@ -447,19 +447,36 @@ void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, con
   run_library(library, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
 }
 
+namespace {
+
+// A dense bf16 product on oneDNN's matmul, the bias (if any) added in its epilogue, C (M, N) dense
+// in f32 or (c_bf16) bf16; false where it cannot run there (no bf16 kernels, strided operands, K 0).
+bool onednn_bf16_dense(const char* op, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
+                       int64_t lda, const uint16_t* b, int64_t ldb, const float* bias, void* c, bool c_bf16) {
+#if DTRAIN_HAVE_ONEDNN
+  const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
+  if (k > 0 && dense && detail::bf16_products_native() &&
+      product_to_run(op, trans_a, trans_b, m, n, k, lda, ldb, 0.0f, nullptr, n)) {
+    detail::MatmulShape shape =
+        detail::matmul_shape(true, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, bias != nullptr);
+    shape.c_bf16 = c_bf16;
+    detail::run_matmul(shape, a, b, bias, c);
+    return true;
+  }
+#else
+  (void)op, (void)trans_a, (void)trans_b, (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb;
+  (void)bias, (void)c, (void)c_bf16;
+#endif
+  return false;
+}
+
+}  // namespace
+
 void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
                     const uint16_t* b, int64_t ldb, const float* bias, float* c) {
   profile::Scope scope(profile::Kind::matmul);
   if (m == 0 || n == 0) return;
-#if DTRAIN_HAVE_ONEDNN
-  const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
-  if (k > 0 && dense && detail::bf16_products_native() &&
-      product_to_run("gemm_bf16_bias", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, c, n)) {
-    detail::run_matmul(detail::matmul_shape(true, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, true), a, b, bias,
-                       c);
-    return;
-  }
-#endif
+  if (onednn_bf16_dense("gemm_bf16_bias", trans_a, trans_b, m, n, k, a, lda, b, ldb, bias, c, false)) return;
   detail::fill_rows(bias, m, n, c);
   gemm_bf16(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
 }
@@ -468,19 +485,10 @@ void gemm_bf16_to_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
                        const uint16_t* b, int64_t ldb, const float* bias, uint16_t* c) {
   profile::Scope scope(profile::Kind::matmul);
   if (m == 0 || n == 0) return;
-#if DTRAIN_HAVE_ONEDNN
-  const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
-  if (k > 0 && dense && detail::bf16_products_native() &&
-      product_to_run("gemm_bf16_to_bf16", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, nullptr, n)) {
-    detail::MatmulShape shape =
-        detail::matmul_shape(true, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, bias != nullptr);
-    shape.c_bf16 = true;  // oneDNN's epilogue rounds to nearest even: the bits of round_to_bf16
-    detail::run_matmul(shape, a, b, bias, c);
-    return;
-  }
-#endif
-  thread_local std::vector<float> sums;
-  if (sums.size() < static_cast<size_t>(m * n)) sums.resize(static_cast<size_t>(m * n));
+  // oneDNN's epilogue rounds to nearest even with vcvtneps2bf16: round_to_bf16's bits but for
+  // f32 denormals, which it flushes to zero.
+  if (onednn_bf16_dense("gemm_bf16_to_bf16", trans_a, trans_b, m, n, k, a, lda, b, ldb, bias, c, true)) return;
+  std::vector<float> sums(static_cast<size_t>(m * n));
   if (bias != nullptr) {
     gemm_bf16_bias(trans_a, trans_b, m, n, k, a, lda, b, ldb, bias, sums.data());
   } else {

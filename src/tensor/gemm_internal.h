@@ -42,7 +42,8 @@ const std::string& bf16_products_route();
 #if DTRAIN_HAVE_ONEDNN
 /// One product on oneDNN's matmul primitive (gemm_matmul.cpp): C (M, N) = alpha op(A) op(B)
 /// [+ bias on every row] + beta C, operands f32 or bf16 in sgemm's layout, C f32 (or bf16: the
-/// f32 sums rounded to nearest even by the kernel's epilogue, the bits of dtrain's rounding).
+/// f32 sums rounded to nearest even by the kernel's epilogue, dtrain's rounding but for f32
+/// denormals, which it flushes to zero).
 struct MatmulShape {
   bool bf16 = false;  // operands in bf16
   bool ta = false, tb = false;

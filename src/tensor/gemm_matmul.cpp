@@ -1,8 +1,9 @@
 // oneDNN's matmul primitive, for the products that the BLAS-like dnnl_sgemm cannot express: bf16
 // operands (gemm_bf16.cpp), a bias added in the kernel's epilogue (gemm.h's sgemm_bias) and a
-// bf16 result rounded there (gemm_bf16_bias_to_bf16).
+// bf16 result rounded there (gemm.h's gemm_bf16_to_bf16).
 //
-// A primitive is built once per (operand type, shape, strides, alpha, beta, bias, threads) and
+// A primitive is built once per (operand type, shape, strides, alpha, beta, bias, result type,
+// threads) and
 // kept for the life of the process; building one takes far longer than running it. Threads of one
 // process (data-parallel ranks in tests, a trainer's helper threads) run the same primitive at
 // once, so each brings its own scratchpad (scratchpad_mode::user): with the library's, concurrent

@@ -97,13 +97,10 @@ bool f32_dot_available() {
   return ok;
 }
 
+// The kernels' table is the AVX512_BF16 one: the CPU has it and no cap holds the kernels below.
 bool bf16_dot_available() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool ok = f32_dot_available() && __builtin_cpu_supports("avx512bf16") != 0;
+  static const bool ok = std::string_view(kernels::table().isa) == "avx512_bf16";
   return ok;
-#else
-  return false;
-#endif
 }
 
 }  // namespace dtrain::detail

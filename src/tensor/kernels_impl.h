@@ -85,12 +85,12 @@ inline __m256i bf16_words16(__m512 v) {
 }
 
 // Where the file is compiled with AVX512_BF16 (the avx512_bf16 table), the kernels that write
-// bf16 run a first pass on vcvtneps2bf16: bf16_of's bits in one instruction (GELU's rounding: 3.4
-// against 2.5 ms a step of the byte GPT), except that it flushes denormal inputs to zero. The pass
-// notes where that happened (one vfpclassps a vector, no branch) and returns false; the kernel
-// then runs that row (or block of kBf16Block values) again with bf16_words16, so that the bits
-// are the other tables' in every case. Per row, not per call, so that a rare denormal costs a row
-// (none in 1000 steps of the byte GPT: 0 of 33.8 million rows and blocks).
+// bf16 round with vcvtneps2bf16: bf16_of's bits in one instruction (GELU's rounding: 3.4 against
+// 2.5 ms a step of the byte GPT), except that it flushes denormal inputs to zero. Bf16Stores
+// notes where that happened (one vfpclassps a vector, no branch), and bf16_values then writes that
+// row (or block of kBf16Block values) again with bf16_words16, so that the bits are the other
+// tables' in every case. Per row, not per call, so that a rare denormal costs a row (none in 1000
+// steps of the byte GPT: 0 of 33.8 million rows and blocks).
 #if defined(__AVX512BF16__)
 constexpr bool kFastBf16 = true;
 #else
@@ -123,6 +123,41 @@ struct Bf16Stores {
   }
   bool exact() const { return flushed == 0; }
 };
+
+// 16 floats from p, the lanes m (all of them: an unmasked load).
+inline __m512 load16(const float* p, __mmask16 m) {
+  return m == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
+
+// n values, 16 lanes at a time from value(i, lanes) (a masked tail), rounded into dst by store and
+// added into sums unless it is null.
+template <typename Store, typename Value>
+inline void bf16_row(Store& store, uint16_t* dst, int64_t n, float* sums, const Value& value) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = value(i, __mmask16(0xffff));
+    store(dst + i, 0xffff, v);
+    if (sums != nullptr) _mm512_storeu_ps(sums + i, _mm512_add_ps(_mm512_loadu_ps(sums + i), v));
+  }
+  if (i < n) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = value(i, m);
+    store(dst + i, m, v);
+    if (sums != nullptr) _mm512_mask_storeu_ps(sums + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sums + i), v));
+  }
+}
+
+// bf16_row with the fast stores and, where they met a denormal, again with exact ones and without
+// the sums (added once already). At most kBf16Block values a call, so a rerun stays small.
+template <typename Value>
+inline void bf16_values(uint16_t* dst, int64_t n, float* sums, const Value& value) {
+  Bf16Stores<kFastBf16> fast;
+  bf16_row(fast, dst, n, sums, value);
+  if (!fast.exact()) {
+    Bf16Stores<false> exact;
+    bf16_row(exact, dst, n, nullptr, value);
+  }
+}
 #endif
 
 inline uint16_t bf16_of(float f) {
@@ -320,29 +355,13 @@ void gelu_forward(const float* __restrict x, float* __restrict y, int64_t n) {
 #endif
 }
 
-#if defined(__AVX512F__)
-template <bool Fast>
-bool gelu_forward_bf16_pass(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
-  Bf16Stores<Fast> store;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    store(y + i, 0xffff, _mm512_mul_ps(v, gelu_s16(v)));
-  }
-  if (i < n) {
-    const __mmask16 m = lanes(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    store(y + i, m, _mm512_mul_ps(v, gelu_s16(v)));
-  }
-  return store.exact();
-}
-#endif
-
 void gelu_forward_bf16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
 #if defined(__AVX512F__)
   for (int64_t b = 0; b < n; b += kBf16Block) {
-    const int64_t len = n - b < kBf16Block ? n - b : kBf16Block;
-    if (!gelu_forward_bf16_pass<kFastBf16>(x + b, y + b, len)) gelu_forward_bf16_pass<false>(x + b, y + b, len);
+    bf16_values(y + b, n - b < kBf16Block ? n - b : kBf16Block, nullptr, [&](int64_t i, __mmask16 m) {
+      const __m512 v = load16(x + b + i, m);
+      return _mm512_mul_ps(v, gelu_s16(v));
+    });
   }
 #else
 #pragma omp simd
@@ -366,61 +385,24 @@ void gelu_backward(const float* __restrict x, const float* __restrict g, float* 
 #endif
 }
 
-#if defined(__AVX512F__)
-// sums: added into unless null (the exact pass after a fast one rewrites only the words).
-template <bool Fast>
-bool gelu_backward_bf16_pass(const float* __restrict x, const float* __restrict g, int64_t rows, int64_t n,
-                             uint16_t* __restrict gx, float* __restrict sums) {
-  Bf16Stores<Fast> store;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    const float* gr = g + r * n;
-    uint16_t* dr = gx + r * n;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 d = gelu_grad16(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(gr + i));
-      store(dr + i, 0xffff, d);
-      if (sums != nullptr) _mm512_storeu_ps(sums + i, _mm512_add_ps(_mm512_loadu_ps(sums + i), d));
-    }
-    if (i < n) {
-      const __mmask16 m = lanes(n - i);
-      const __m512 d = gelu_grad16(_mm512_maskz_loadu_ps(m, xr + i), _mm512_maskz_loadu_ps(m, gr + i));
-      store(dr + i, m, d);
-      if (sums != nullptr) _mm512_mask_storeu_ps(sums + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sums + i), d));
-    }
-  }
-  return store.exact();
-}
-#endif
-
 void gelu_backward_bf16(const float* __restrict x, const float* __restrict g, int64_t rows, int64_t n,
                         uint16_t* __restrict gx, float* __restrict sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    const float* gr = g + r * n;
 #if defined(__AVX512F__)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    const float* gr = g + r * n;
-    if (!gelu_backward_bf16_pass<kFastBf16>(xr, gr, 1, n, gx + r * n, sums)) {
-      gelu_backward_bf16_pass<false>(xr, gr, 1, n, gx + r * n, nullptr);
-    }
-  }
+    bf16_values(gx + r * n, n, sums,
+                [&](int64_t i, __mmask16 m) { return gelu_grad16(load16(xr + i, m), load16(gr + i, m)); });
 #else
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    const float* gr = g + r * n;
     uint16_t* dr = gx + r * n;
-    if (sums != nullptr) {
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const float d = gelu_grad_of(xr[j], gr[j]);
-        dr[j] = bf16_of(d);
-        sums[j] += d;
-      }
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) dr[j] = bf16_of(gelu_grad_of(xr[j], gr[j]));
+    for (int64_t j = 0; j < n; ++j) {
+      const float d = gelu_grad_of(xr[j], gr[j]);
+      dr[j] = bf16_of(d);
+      if (sums != nullptr) sums[j] += d;
     }
-  }
 #endif
+  }
 }
 
 void causal_softmax_row(float* row, int64_t len, int64_t t) {
@@ -520,51 +502,20 @@ void adamw_stream(float* p, const float* __restrict g, float* __restrict m, floa
   }
 }
 
-#if defined(__AVX512F__)
-// sums (n columns): round_to_bf16_sum_rows' sums added into unless null.
-template <bool Fast>
-bool round_to_bf16_pass(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst,
-                        float* __restrict sums) {
-  Bf16Stores<Fast> store;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict s = src + r * ld;
-    uint16_t* __restrict d = dst + r * cols;
-    int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      const __m512 v = _mm512_loadu_ps(s + j);
-      store(d + j, 0xffff, v);
-      if (sums != nullptr) _mm512_storeu_ps(sums + j, _mm512_add_ps(_mm512_loadu_ps(sums + j), v));
-    }
-    if (j < cols) {
-      const __mmask16 m = lanes(cols - j);
-      const __m512 v = _mm512_maskz_loadu_ps(m, s + j);
-      store(d + j, m, v);
-      if (sums != nullptr) _mm512_mask_storeu_ps(sums + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sums + j), v));
-    }
-  }
-  return store.exact();
-}
-#endif
-
 void round_to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst) {
-#if defined(__AVX512F__)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* s = src + r * ld;
-    for (int64_t b = 0; b < cols; b += kBf16Block) {
-      const int64_t len = cols - b < kBf16Block ? cols - b : kBf16Block;
-      uint16_t* d = dst + r * cols + b;
-      if (!round_to_bf16_pass<kFastBf16>(s + b, 1, len, len, d, nullptr))
-        round_to_bf16_pass<false>(s + b, 1, len, len, d, nullptr);
-    }
-  }
-#else
   for (int64_t r = 0; r < rows; ++r) {
     const float* __restrict s = src + r * ld;
     uint16_t* __restrict d = dst + r * cols;
+#if defined(__AVX512F__)
+    for (int64_t b = 0; b < cols; b += kBf16Block) {
+      bf16_values(d + b, cols - b < kBf16Block ? cols - b : kBf16Block, nullptr,
+                  [&](int64_t i, __mmask16 m) { return load16(s + b + i, m); });
+    }
+#else
 #pragma omp simd
     for (int64_t j = 0; j < cols; ++j) d[j] = bf16_of(s[j]);
-  }
 #endif
+  }
 }
 
 void round_to_bf16_values(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
@@ -579,24 +530,19 @@ void round_to_bf16_values(const float* src, int64_t rows, int64_t cols, int64_t 
 void round_to_bf16_sum_rows(const float* x, int64_t rows, int64_t n, uint16_t* dst, float* __restrict out) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
-#if defined(__AVX512F__)
-  // sum_rows' order: row by row, each column on its own
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!round_to_bf16_pass<kFastBf16>(x + r * n, 1, n, n, dst + r * n, out)) {
-      round_to_bf16_pass<false>(x + r * n, 1, n, n, dst + r * n, nullptr);
-    }
-  }
-#else
   for (int64_t r = 0; r < rows; ++r) {  // sum_rows' order: row by row, each column on its own
     const float* __restrict xr = x + r * n;
     uint16_t* __restrict d = dst + r * n;
+#if defined(__AVX512F__)
+    bf16_values(d, n, out, [&](int64_t i, __mmask16 m) { return load16(xr + i, m); });
+#else
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
       d[j] = bf16_of(xr[j]);
       out[j] += xr[j];
     }
-  }
 #endif
+  }
 }
 
 }  // namespace

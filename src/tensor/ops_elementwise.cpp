@@ -280,11 +280,7 @@ Tensor gelu(const Tensor& a, DType out_dtype) {
   detail::check_out_dtype(out_dtype, "gelu");
   Tensor x = a.detach().contiguous();
   Tensor out = Tensor::empty(a.shape(), out_dtype);
-  if (out_dtype == DType::bf16) {
-    kernels::table().gelu_forward_bf16(x.data(), static_cast<uint16_t*>(out.raw_data()), x.numel());
-  } else {
-    kernels::table().gelu_forward(x.data(), out.data(), x.numel());
-  }
+  detail::gelu_into(x.data(), out);
   if (autograd::needs_grad({&a})) {
     auto node = std::make_shared<GeluBackward>();
     node->x = x;

@@ -134,8 +134,8 @@ struct LinearBackward : Node {
   profile::Kind profile_kind() const override { return profile::Kind::linear; }
 };
 
-// gelu(linear(x)) as one node, so that under bf16 products GELU's gradient goes into the
-// product's bf16 operand and the bias's sum through an L1-sized chunk, never written out in f32.
+// gelu(linear(x)) as one node, so that under bf16 products GELU's gradient is rounded for the
+// products and summed for the bias in registers (gelu_backward_bf16), never written out in f32.
 struct LinearGeluBackward : LinearBackward {
   Tensor h;  // the pre-activation x W^T + b (M, out), f32
   std::vector<Tensor> apply(const Tensor& g_in) override {
@@ -273,22 +273,20 @@ LinearProduct linear_operands(const Tensor& x_in, const Tensor& weight, const Te
   return p;
 }
 
-// Rows [r0, r1) of x W^T + b into out (M, out), f32; the bias added by the product itself
-// (gemm.h's sgemm_bias and gemm_bf16_bias). The same bits whatever the rows: each is its own sums.
-void linear_rows(const LinearProduct& p, float* out, int64_t r0, int64_t r1) {
-  const int64_t rows = r1 - r0, lx = std::max<int64_t>(1, p.in), ldo = std::max<int64_t>(1, p.out_f);
-  float* po = out + r0 * p.out_f;
+// x W^T + b into out (M, out), f32; the bias added by the product itself (gemm.h's sgemm_bias
+// and gemm_bf16_bias).
+void linear_f32(const LinearProduct& p, float* out) {
+  const int64_t lx = std::max<int64_t>(1, p.in);
   if (p.bf16) {
-    const uint16_t* x = bf16_bits(p.x) + r0 * p.in;
     if (p.b.defined()) {
-      gemm_bf16_bias(false, true, rows, p.out_f, p.in, x, lx, bf16_bits(p.w), lx, p.b.data(), po);
+      gemm_bf16_bias(false, true, p.m, p.out_f, p.in, bf16_bits(p.x), lx, bf16_bits(p.w), lx, p.b.data(), out);
     } else {
-      gemm_bf16(false, true, rows, p.out_f, p.in, 1.0f, x, lx, bf16_bits(p.w), lx, 0.0f, po, ldo);
+      gemm_bf16_packed(false, true, p.m, p.out_f, p.in, p.x, p.w, 0.0f, out);
     }
   } else if (p.b.defined()) {
-    sgemm_bias(false, true, rows, p.out_f, p.in, p.x.data() + r0 * p.in, lx, p.w.data(), lx, p.b.data(), po);
+    sgemm_bias(false, true, p.m, p.out_f, p.in, p.x.data(), lx, p.w.data(), lx, p.b.data(), out);
   } else {
-    gemm(false, true, rows, p.out_f, p.in, 1.0f, p.x.data() + r0 * p.in, p.w.data(), 0.0f, po);
+    gemm(false, true, p.m, p.out_f, p.in, 1.0f, p.x.data(), p.w.data(), 0.0f, out);
   }
 }
 
@@ -305,14 +303,14 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias, DTyp
   detail::check_out_dtype(out_dtype, "linear");
   LinearProduct p = linear_operands(x_in, weight, bias);
   Tensor out;
-  if (out_dtype == DType::bf16 && p.bf16) {  // rounded by the product's epilogue, never written in f32
+  if (out_dtype == DType::bf16 && p.bf16 && bf16_products_native()) {  // rounded by oneDNN's epilogue
     out = Tensor::empty({p.m, p.out_f}, DType::bf16);
     gemm_bf16_to_bf16(false, true, p.m, p.out_f, p.in, bf16_bits(p.x), std::max<int64_t>(1, p.in), bf16_bits(p.w),
                       std::max<int64_t>(1, p.in), p.b.defined() ? p.b.data() : nullptr,
                       static_cast<uint16_t*>(out.raw_data()));
   } else {
     out = Tensor::empty({p.m, p.out_f});
-    linear_rows(p, out.data(), 0, p.m);
+    linear_f32(p, out.data());
     if (out_dtype == DType::bf16) out = out.to(DType::bf16);  // f32 products, their results rounded
   }
   out = out.reshape(linear_shape(x_in, p.out_f));
@@ -327,15 +325,11 @@ Tensor linear_gelu(const Tensor& x_in, const Tensor& weight, const Tensor& bias,
   detail::check_out_dtype(out_dtype, "linear_gelu");
   LinearProduct p = linear_operands(x_in, weight, bias);
   Tensor h = Tensor::empty({p.m, p.out_f});  // the pre-activation, kept for the backward
-  linear_rows(p, h.data(), 0, p.m);
+  linear_f32(p, h.data());
   Tensor out = Tensor::empty(linear_shape(x_in, p.out_f), out_dtype);
   {
     profile::Scope gelu_scope(profile::Kind::gelu);
-    if (out_dtype == DType::bf16) {  // rounded in registers, as round_to_bf16 would
-      kernels::table().gelu_forward_bf16(h.data(), static_cast<uint16_t*>(out.raw_data()), out.numel());
-    } else {
-      kernels::table().gelu_forward(h.data(), out.data(), out.numel());
-    }
+    detail::gelu_into(h.data(), out);
   }
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     auto node = std::make_shared<LinearGeluBackward>();

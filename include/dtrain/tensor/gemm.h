@@ -106,8 +106,9 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
 void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
                     const uint16_t* b, int64_t ldb, const float* bias, float* c);
 /// gemm_bf16 (bias: nullptr, or as gemm_bf16_bias) with C (M, N), dense, written as bf16: the f32
-/// sums rounded to nearest even, the bits of Tensor::to(DType::bf16), for a product whose result is
-/// only ever read as a bf16 operand (the attention's qkv). oneDNN rounds them in its epilogue.
+/// sums rounded to nearest even, for a product whose result is only ever read as a bf16 operand
+/// (the attention's qkv). oneDNN rounds them in its epilogue: the bits of Tensor::to(DType::bf16),
+/// except that f32 denormals (below 1.2e-38) become zero there.
 void gemm_bf16_to_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
                        const uint16_t* b, int64_t ldb, const float* bias, uint16_t* c);
 /// What bf16 products run on here, or what they fall back to and why, for logs and reports.

@@ -2,12 +2,13 @@
 // GELU, attention's softmax, AdamW, gradient sums, bf16 rounding), vectorised.
 //
 // One source (src/tensor/kernels_impl.h) is compiled once per instruction set: AVX-512 with
-// AVX512_BF16 (the same bits as AVX-512, bf16 rounding in one instruction), AVX-512, AVX2+FMA and
-// the build's own flags. The widest one this CPU runs is picked at the first call, capped by
+// AVX512_BF16 (the same bits as AVX-512, bf16 rounding in one instruction), AVX-512, AVX2+FMA
+// and the build's own flags. The widest one this CPU runs is picked at the first call, capped by
 // DTRAIN_KERNELS_ISA or, when that is unset, ONEDNN_MAX_CPU_ISA (avx512 or avx512_core: AVX-512
-// without bf16; avx2: the AVX2 build; sse41 or avx: the build's flags), so that one switch holds oneDNN and these
-// kernels to a smaller CPU and the AVX2 path can be tested on an AVX-512 machine. Sums over a row run in vector lanes,
-// so the last bits of a result depend on the instruction set (as oneDNN's and OpenBLAS's do).
+// without bf16, the attention's bf16 kernel included; avx2: the AVX2 build; sse41 or avx: the
+// build's flags), so that one switch holds oneDNN and these kernels to a smaller CPU and the AVX2
+// path can be tested on an AVX-512 machine. Sums over a row run in vector lanes, so the last bits
+// of a result depend on the instruction set (as oneDNN's and OpenBLAS's do).
 #pragma once
 
 #include <cstdint>

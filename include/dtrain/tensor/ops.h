@@ -46,11 +46,11 @@ Tensor mean(const Tensor& a, const std::vector<int64_t>& dims = {}, bool keepdim
 Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (..., in) W (out, in)^T + bias (out) -> (..., out). bias may be undefined. Under bf16
 /// products x may be bf16 already (the products round it anyway); its gradient is f32. `out` bf16:
-/// the f32 results rounded to nearest even (under bf16 products by the product itself), for a
-/// result that is only read as a bf16 operand (the attention's qkv).
+/// the f32 results rounded to nearest even (under bf16 products by the product itself, which
+/// flushes f32 denormals to zero), for a result only read as a bf16 operand (the attention's qkv).
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, DType out = DType::f32);
 /// gelu(linear(x, weight, bias), out) as one op, the same bits: under bf16 products its backward
-/// rounds GELU's gradient for the products and sums the bias's in one pass, chunk by chunk.
+/// rounds GELU's gradient for the products and sums the bias's in one pass, in registers.
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, DType out = DType::f32);
 
 // ---- neural-network ops (over the last dimension) ----
