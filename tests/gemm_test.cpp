@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "../src/tensor/gemm_internal.h"
 #include "dtrain/core/error.h"
 #include "dtrain/tensor/half.h"
 #include "dtrain/tensor/kernels.h"
@@ -404,6 +405,8 @@ TEST(GemmBf16, TheRouteIsNativeWhereTheCpuHasBf16InstructionsAndSaysSo) {
   const std::string isa = onednn_isa();
   const bool has = onednn_available() && (isa == "avx512_core_bf16" || isa == "avx512_core_amx");
   EXPECT_EQ(bf16_products_native(), has) << route;
+  // A bf16 result (linear's, for the attention's qkv) on the same kernels, where the products run.
+  EXPECT_EQ(detail::bf16_results_native(), has) << route;
   if (has) {
     EXPECT_EQ(route.rfind("bf16 products: oneDNN's matmul (" + isa, 0), 0u) << route;
     EXPECT_EQ(route.find("fallback"), std::string::npos) << route;
@@ -432,6 +435,7 @@ TEST(GemmAvx2Child, OneDnnRunsOnAvx2AndMatchesTheReference) {
     EXPECT_EQ(std::string(kernels::table().isa), "avx2");
   }
   EXPECT_FALSE(bf16_products_native()) << bf16_products_route();
+  EXPECT_FALSE(detail::bf16_results_native());
   EXPECT_NE(bf16_products_route().find("fallback"), std::string::npos) << bf16_products_route();
 }
 

@@ -455,8 +455,8 @@ bool onednn_bf16_dense(const char* op, bool trans_a, bool trans_b, int64_t m, in
                        int64_t lda, const uint16_t* b, int64_t ldb, const float* bias, void* c, bool c_bf16) {
 #if DTRAIN_HAVE_ONEDNN
   const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
-  if (k > 0 && dense && detail::bf16_products_native() &&
-      product_to_run(op, trans_a, trans_b, m, n, k, lda, ldb, 0.0f, nullptr, n)) {
+  const bool native = c_bf16 ? detail::bf16_results_native() : detail::bf16_products_native();
+  if (k > 0 && dense && native && product_to_run(op, trans_a, trans_b, m, n, k, lda, ldb, 0.0f, nullptr, n)) {
     detail::MatmulShape shape =
         detail::matmul_shape(true, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, bias != nullptr);
     shape.c_bf16 = c_bf16;

@@ -78,6 +78,24 @@ T* scratch(std::vector<T>& v, int64_t n) {
 
 bool bf16_products_native() { return route().native; }
 
+bool bf16_results_native() {
+  static const bool native = [] {
+#if DTRAIN_HAVE_ONEDNN
+    if (!route().native) return false;
+    try {  // a bf16 result on the kernel that runs bf16 products, not on oneDNN's reference one
+      MatmulShape shape = matmul_shape(true, false, true, 64, 64, 64, 64, 64, 64, 1.0f, 0.0f, true);
+      shape.c_bf16 = true;
+      return std::string(describe_matmul(shape).impl_info_str()).rfind("ref", 0) != 0;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+#else
+    return false;
+#endif
+  }();
+  return native;
+}
+
 const std::string& bf16_products_route() { return route().description; }
 
 void gemm_bf16_operands(GemmBackend f32_library, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,

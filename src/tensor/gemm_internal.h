@@ -37,6 +37,9 @@ void gemm_bf16_operands(GemmBackend f32_library, bool trans_a, bool trans_b, int
                         float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                         float* c, int64_t ldc);
 bool bf16_products_native();
+/// Whether oneDNN writes a bf16 result of bf16 products on the same native kernels (not a
+/// reference one): gemm_bf16_to_bf16 asks it for one only then.
+bool bf16_results_native();
 const std::string& bf16_products_route();
 
 #if DTRAIN_HAVE_ONEDNN
