@@ -6,6 +6,7 @@ through torch's store, never through sleeps."""
 
 import gc
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -53,6 +54,25 @@ def semantics(rank, n):
     torch.futures.wait_all(futs)
     for r, f in enumerate(futs):
         util.check(torch.equal(f.value()[0], torch.full((10,), float(r))), "broadcast future", r)
+
+    # A future's callbacks run on the backend's futures thread, never on a thread that waits for
+    # the Work: a callback takes the GIL, and a waiting thread may hold the backend's lock (c71ca55:
+    # one rank stopped that way while the GIL's holder waited for that lock). Rank 0 attaches a
+    # callback before any peer joins, then waits; the peers join once it has said so.
+    x = torch.full((1000,), float(rank + 1))
+    if rank == 0:
+        ran_on = []
+        w = dist.all_reduce(x, async_op=True)
+        chained = w.get_future().then(lambda f: ran_on.append(threading.get_ident()))
+        s.set("waiting-0", "1")
+        w.wait()
+        chained.wait()
+        util.check(len(ran_on) == 1 and ran_on[0] != threading.get_ident(),
+                   "the callback ran on the waiting thread", ran_on, threading.get_ident())
+    else:
+        s.wait(["waiting-0"])
+        dist.all_reduce(x)
+    util.check(torch.equal(x, want), "all_reduce with a callback")
 
     # A dropped async all_reduce still runs (the flusher starts it): rank 1 waits for it.
     x = torch.full((1000,), float(rank + 1))
