@@ -303,7 +303,7 @@ Tensor linear(const Tensor& x_in, const Tensor& weight, const Tensor& bias, DTyp
   detail::check_out_dtype(out_dtype, "linear");
   LinearProduct p = linear_operands(x_in, weight, bias);
   Tensor out;
-  if (out_dtype == DType::bf16 && p.bf16 && bf16_products_native()) {  // rounded by oneDNN's epilogue
+  if (out_dtype == DType::bf16 && p.bf16) {  // rounded in oneDNN's epilogue where it can (gemm.h)
     out = Tensor::empty({p.m, p.out_f}, DType::bf16);
     gemm_bf16_to_bf16(false, true, p.m, p.out_f, p.in, bf16_bits(p.x), std::max<int64_t>(1, p.in), bf16_bits(p.w),
                       std::max<int64_t>(1, p.in), p.b.defined() ? p.b.data() : nullptr,
