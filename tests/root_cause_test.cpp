@@ -182,6 +182,25 @@ TEST(RootCause, TheRankThatLostItsNetworkIsTheCauseEvenOneCallAhead) {
   EXPECT_TRUE(root_cause(records, {}, -1, false).starts_with("ranks 0 and 1 never called all_reduce_shared #22"));
 }
 
+// Seen in CI: the rank that lost its network failed between calls, and the job was stopped just
+// as rank 0 entered the next one, so ranks 1 and 2 both look as if they never called it.
+TEST(RootCause, TheRankThatLostItsNetworkIsTheCauseAmongSeveralThatNeverArrived) {
+  const double t = 1e6;
+  const std::vector<int> members = {0, 1, 2};
+  std::vector<FlightRecord> records;
+  records.push_back(record(
+      0, t, {{"world/split0/color0", 0, 3, members, plus(done(99), {{99, "all_reduce_shared", "failed", 0, 0}})}}));
+  records.push_back(record(1, t, {{"world/split0/color0", 1, 3, members, done(99)}}));
+  records.push_back(record(2, t, {{"world/split0/color0", 2, 3, members, done(99)}},
+                           "heartbeat: rank 2 cannot reach the rendezvous store: connection reset"));
+  EXPECT_EQ(root_cause(records, {}, -1, false),
+            "rank 2 lost its network (it cannot reach the rendezvous store) before it reached all_reduce_shared #99 "
+            "on group 'world/split0/color0', which rank 0 had entered and rank 1 had not reached yet");
+  // Without the heartbeat's finding it is what the records say.
+  records[2] = record(2, t, {{"world/split0/color0", 2, 3, members, done(99)}});
+  EXPECT_TRUE(root_cause(records, {}, -1, false).starts_with("ranks 1 and 2 never called all_reduce_shared #99"));
+}
+
 TEST(RootCause, UnreadableRecordsSayNothingRatherThanCrash) {
   const std::vector<FlightRecord> records = {{"/f/rank-0.json", "{\"rank\":\"0\",\"groups\":[{\"group\":"},
                                              {"/f/rank-1.json", "[]"},

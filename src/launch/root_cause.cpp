@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -299,12 +300,24 @@ std::string root_cause(const std::vector<FlightRecord>& records, const std::map<
   if (root != nullptr && root->ops.size() < 2) {
     // A rank that lost its network fails where it stands, possibly one call ahead of the others
     // (an intra-host call needs no socket): the others did not skip that call, the network went.
-    if (const int lost = lost_network_rank(views);
-        lost >= 0 && std::find(root->missing.begin(), root->missing.end(), lost) == root->missing.end()) {
+    // Or it fails between calls and the job is stopped just as some rank enters the next one: the
+    // lost rank is then one of several that "never called" it, and still the cause.
+    const int lost = lost_network_rank(views);
+    const bool lost_missing = std::find(root->missing.begin(), root->missing.end(), lost) != root->missing.end();
+    if (lost >= 0 && !lost_missing) {
       return fmt::format(
           "rank {} lost its network (it cannot reach the rendezvous store) while in {}, which {} had "
           "not reached yet",
           lost, where(*root, op_name(majority_op(*root))), ranks_text(root->missing));
+    }
+    if (lost >= 0 && root->missing.size() > 1) {
+      std::vector<int> others;
+      std::copy_if(root->missing.begin(), root->missing.end(), std::back_inserter(others),
+                   [&](int r) { return r != lost; });
+      return fmt::format(
+          "rank {} lost its network (it cannot reach the rendezvous store) before it reached {}, which {} had "
+          "entered and {} had not reached yet",
+          lost, where(*root, op_name(majority_op(*root))), ranks_text(root->arrived), ranks_text(others));
     }
   }
   if (root != nullptr) {
