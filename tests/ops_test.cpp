@@ -1020,6 +1020,44 @@ TEST(OpsAttention, RecomputedProbabilitiesAreTheForwardsBits) {
   }
 }
 
+// The bf16 backward takes P and dS in pairs of rows for dK and dV straight from the tiles'
+// registers: the same words as packing their f32 rows with pack_pairs_f32, up to the columns
+// the tiles read (an odd last row paired with zeros), and the same dS rounded into the tile.
+TEST(OpsAttention, TilesWritePairsAsPackingTheirRowsWould) {
+  if (!detail::bf16_dot_available()) GTEST_SKIP() << "no AVX512_BF16 kernels here";
+  for (const int64_t t : {1, 7, 8, 9, 17, 40, 128}) {
+    const int64_t ld = t + 3;
+    const std::vector<float> scores = test::randn({t, ld}, 500 + static_cast<uint64_t>(t)).to_vector();
+    const std::vector<float> grads = test::randn({t, ld}, 600 + static_cast<uint64_t>(t)).to_vector();
+    for (int64_t i0 = 0; i0 < t; i0 += 8) {
+      const int64_t r = std::min<int64_t>(8, t - i0), n = i0 + r, zero_to = std::min(t, n + 8);
+      const int64_t rows = (r + 1) / 2, ldp = 2 * t;
+      std::vector<float> p(scores.begin() + i0 * ld, scores.begin() + n * ld);
+      std::vector<float> stats(static_cast<size_t>(2 * r));
+      std::vector<uint16_t> unused(static_cast<size_t>(r * n));
+      detail::causal_softmax_tile(p.data(), ld, i0, r, zero_to, unused.data(), stats.data());
+      // P: recomputed with pairs against recomputed without and packed.
+      std::vector<float> p1(scores.begin() + i0 * ld, scores.begin() + n * ld), p2 = p1;
+      std::vector<uint16_t> pairs(static_cast<size_t>(rows * ldp), 0xdead), packed = pairs;
+      detail::causal_softmax_recompute_tile(p1.data(), ld, i0, r, zero_to, stats.data(), pairs.data(), ldp);
+      detail::causal_softmax_recompute_tile(p2.data(), ld, i0, r, zero_to, stats.data());
+      detail::pack_pairs_f32(p2.data(), ld, r, zero_to, packed.data(), ldp);
+      EXPECT_EQ(pairs, packed) << "P, T " << t << " rows from " << i0;
+      EXPECT_EQ(std::memcmp(p1.data(), p2.data(), p1.size() * sizeof(float)), 0) << "T " << t << " rows from " << i0;
+      // dS: with pairs (dp keeps dP) against in place and packed; the tiles alike.
+      std::vector<float> d1(grads.begin() + i0 * ld, grads.begin() + n * ld), d2 = d1;
+      std::vector<uint16_t> tile1(static_cast<size_t>(r * n), 0xbeef), tile2 = tile1;
+      std::vector<uint16_t> ds(static_cast<size_t>(rows * ldp), 0xdead), ds_packed = ds;
+      detail::causal_softmax_backward_tile(p2.data(), d1.data(), ld, i0, r, zero_to, tile1.data(), ds.data(), ldp);
+      detail::causal_softmax_backward_tile(p2.data(), d2.data(), ld, i0, r, zero_to, tile2.data());
+      detail::pack_pairs_f32(d2.data(), ld, r, zero_to, ds_packed.data(), ldp);
+      EXPECT_EQ(ds, ds_packed) << "dS, T " << t << " rows from " << i0;
+      EXPECT_EQ(tile1, tile2) << "dS tile, T " << t << " rows from " << i0;
+      EXPECT_TRUE(std::equal(d1.begin(), d1.end(), grads.begin() + i0 * ld)) << "dP kept, T " << t;
+    }
+  }
+}
+
 TEST(OpsAttention, BadShapesThrow) {
   EXPECT_TRUE(throws_with(
       [] {

@@ -295,10 +295,10 @@ inline float sum_of(__m512 v) {
   return s;
 }
 
-// f32 lanes [j, j + 16) of row: the f32 row written under `keep` lanes, its bf16 rounding (when
-// there is a tile) under `tile_lanes`.
+// f32 lanes [j, j + 16) of row: the f32 row (when there is one) written under `keep` lanes, its
+// bf16 rounding (when there is a tile) under `tile_lanes`.
 inline void store_both(float* row, uint16_t* t, int64_t j, __m512 v, __mmask16 keep, __mmask16 tile_lanes) {
-  _mm512_mask_storeu_ps(row + j, keep, v);
+  if (row != nullptr) _mm512_mask_storeu_ps(row + j, keep, v);
   if (t == nullptr) return;
   const __m256bh h = _mm512_cvtneps_pbh(v);
   _mm256_mask_storeu_epi16(t + j, tile_lanes, (__m256i)h);  // NOLINT: a vector cast, the same 256 bits
@@ -340,42 +340,81 @@ void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t ze
   }
 }
 
-void causal_softmax_recompute_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, const float* stats) {
+namespace {
+
+// Lanes [j, j + 16) of two rows of a tile (the second zero past a tile's last row) into their
+// pair's packed row: 32 words at pair + 2 j, up to column `cols`, as pack_pairs_f32 writes them.
+inline void store_pair(uint16_t* pair, int64_t j, __m512 lo, __m512 hi, int64_t cols) {
+  const __m512i words = interleave_halves((__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // NOLINT: the same 512 bits
+  _mm512_mask_storeu_epi16(pair + 2 * j, lanes32(2 * (cols - j)), words);
+}
+
+}  // namespace
+
+void causal_softmax_recompute_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, const float* stats,
+                                   uint16_t* pairs, int64_t ldp) {
   const int64_t n = i0 + r;
-  for (int64_t i = i0; i < n; ++i) {
+  const int64_t end = zero_to > n ? zero_to : n;
+  // As causal_softmax_tile: e, then e / sum, zeros past the diagonal; written into the f32 row.
+  const auto values = [&](int64_t i, int64_t j) {
     float* row = s + (i - i0) * ld;
-    const int64_t len = i + 1;
+    const __mmask16 m = lanes(i + 1 - j);
     const __m512 shift = _mm512_set1_ps(stats[2 * (i - i0)]);
     const __m512 inv = _mm512_set1_ps(stats[2 * (i - i0) + 1]);
-    const int64_t end = zero_to > n ? zero_to : n;
-    for (int64_t j = 0; j < end; j += 16) {  // as causal_softmax_tile: e, then e / sum, zeros past the diagonal
-      const __mmask16 m = lanes(len - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift)));
-      _mm512_mask_storeu_ps(row + j, lanes(zero_to - j), _mm512_maskz_mul_ps(m, e, inv));
+    const __m512 e = _mm512_maskz_mov_ps(m, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift)));
+    const __m512 v = _mm512_maskz_mul_ps(m, e, inv);
+    _mm512_mask_storeu_ps(row + j, lanes(zero_to - j), v);
+    return v;
+  };
+  for (int64_t i = i0; i < n; i += pairs != nullptr ? 2 : 1) {
+    uint16_t* pair = pairs != nullptr ? pairs + ((i - i0) / 2) * ldp : nullptr;
+    for (int64_t j = 0; j < end; j += 16) {
+      const __m512 lo = values(i, j);
+      if (pair == nullptr) continue;
+      store_pair(pair, j, lo, i + 1 < n ? values(i + 1, j) : _mm512_setzero_ps(), zero_to);
     }
   }
 }
 
 void causal_softmax_backward_tile(const float* p, float* dp, int64_t ld, int64_t i0, int64_t r, int64_t zero_to,
-                                  uint16_t* tile) {
+                                  uint16_t* tile, uint16_t* pairs, int64_t ldp) {
   const int64_t n = i0 + r;
-  for (int64_t i = i0; i < n; ++i) {
+  const int64_t end = zero_to > n ? zero_to : n;
+  // rowsum(dP * P) of row i.
+  const auto dot_of = [&](int64_t i) {
     const float* pr = p + (i - i0) * ld;
-    float* row = dp + (i - i0) * ld;
-    uint16_t* t = tile != nullptr ? tile + (i - i0) * n : nullptr;
-    const int64_t len = i + 1;
+    const float* row = dp + (i - i0) * ld;
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = lanes(len - j);
+    for (int64_t j = 0; j <= i; j += 16) {
+      const __mmask16 m = lanes(i + 1 - j);
       acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_maskz_loadu_ps(m, pr + j), acc);
     }
-    const __m512 dot = _mm512_set1_ps(sum_of(acc));
-    const int64_t end = zero_to > n ? zero_to : n;
-    for (int64_t j = 0; j < end; j += 16) {  // dS = P (dP - dot), zeros past the diagonal
-      const __mmask16 m = lanes(len - j);
-      const __m512 v = _mm512_maskz_mul_ps(m, _mm512_maskz_loadu_ps(m, pr + j),
-                                           _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, row + j), dot));
-      store_both(row, t, j, v, lanes(zero_to - j), lanes(n - j));
+    return _mm512_set1_ps(sum_of(acc));
+  };
+  // dS = P (dP - dot) of row i, lanes [j, j + 16), zeros past the diagonal: rounded into the tile
+  // and, without pairs, written back into the f32 row.
+  const auto values = [&](int64_t i, int64_t j, __m512 dot) {
+    const float* pr = p + (i - i0) * ld;
+    float* row = dp + (i - i0) * ld;
+    const __mmask16 m = lanes(i + 1 - j);
+    const __m512 v = _mm512_maskz_mul_ps(m, _mm512_maskz_loadu_ps(m, pr + j),
+                                         _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, row + j), dot));
+    store_both(pairs != nullptr ? nullptr : row, tile != nullptr ? tile + (i - i0) * n : nullptr, j, v,
+               lanes(zero_to - j), lanes(n - j));
+    return v;
+  };
+  for (int64_t i = i0; i < n; i += pairs != nullptr ? 2 : 1) {
+    const __m512 dot0 = dot_of(i);
+    if (pairs == nullptr) {
+      for (int64_t j = 0; j < end; j += 16) values(i, j, dot0);
+      continue;
+    }
+    const bool two = i + 1 < n;
+    const __m512 dot1 = two ? dot_of(i + 1) : _mm512_setzero_ps();
+    uint16_t* pair = pairs + ((i - i0) / 2) * ldp;
+    for (int64_t j = 0; j < end; j += 16) {
+      const __m512 lo = values(i, j, dot0);
+      store_pair(pair, j, lo, two ? values(i + 1, j, dot1) : _mm512_setzero_ps(), zero_to);
     }
   }
 }

@@ -150,13 +150,11 @@ void backward_head_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     const int64_t r = std::min(kDotRows, T - i0), n = i0 + r;
     const int64_t cols = tile_columns(T, n);
     detail::bf16_dot_gemm(r, n, hd, scale, q + i0 * ld, ld, 2, s.kt.data(), 2 * T, p, T);  // the forward's S
-    detail::causal_softmax_recompute_tile(p, T, i0, r, cols, stats + 2 * i0);
+    // P and dS also in pairs of rows for dK and dV, up to the columns their tiles read.
+    detail::causal_softmax_recompute_tile(p, T, i0, r, cols, stats + 2 * i0, s.p.data() + i0 * T, 2 * T);
     detail::bf16_dot_gemm(r, n, hd, 1.0f, dO + i0 * ldg, ldg, 2, s.a.data(), 2 * T, dp, T);
-    detail::causal_softmax_backward_tile(p, dp, T, i0, r, cols, s.tile.data());
+    detail::causal_softmax_backward_tile(p, dp, T, i0, r, cols, s.tile.data(), s.ds.data() + i0 * T, 2 * T);
     detail::bf16_dot_gemm(r, hd, n, scale, s.tile.data(), n, 2, s.b.data(), 2 * hd, dq + i0 * ld, ld);
-    // dS and P in pairs of rows for dK and dV, up to the columns their tiles read.
-    detail::pack_pairs_f32(dp, T, r, cols, s.ds.data() + i0 * T, 2 * T);
-    detail::pack_pairs_f32(p, T, r, cols, s.p.data() + i0 * T, 2 * T);
   }
   detail::pack_pairs(q, ld, T, hd, s.b.data(), 2 * hd);
   detail::pack_pairs(dO, ldg, T, hd, s.c.data(), 2 * hd);
