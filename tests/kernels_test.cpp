@@ -222,6 +222,35 @@ TEST(Kernels, GeluWritesBf16AsRoundToBf16Would) {
   }
 }
 
+// Layer norm's bf16 output, rounded in registers, is its f32 output rounded (denormal outputs,
+// a tail lane and a row past one 4096-value block included), with the same mean and rstd.
+TEST(Kernels, LayerNormWritesBf16AsRoundToBf16Would) {
+  std::vector<int64_t> widths(std::begin(kWidths), std::end(kWidths));
+  widths.push_back(4100);
+  for (const kernels::Table* k : tables()) {
+    for (int64_t c : widths) {
+      SCOPED_TRACE(std::string(k->isa) + " c=" + std::to_string(c));
+      const int64_t rows = 3, total = rows * c;
+      const std::vector<float> x = randn(total, 70 + static_cast<uint64_t>(c), 2.0f);
+      std::vector<float> w = randn(c, 71), b = randn(c, 72);
+      w[0] = 1e-38f, b[0] = 0.0f;  // y about 1e-38: a denormal that rounds to a nonzero bf16
+      if (c > 2) w[static_cast<size_t>(c - 1)] = -3e-39f, b[static_cast<size_t>(c - 1)] = 0.0f;  // the last lane
+      std::vector<float> y(x.size()), mean(rows), rstd(rows), mean16(rows), rstd16(rows);
+      k->layer_norm_forward(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), rows, c, 1e-5f);
+      std::vector<uint16_t> want(x.size()), y16(x.size(), 0xdead);
+      for (size_t i = 0; i < y.size(); ++i) want[i] = f32_to_bf16(y[i]);
+      k->layer_norm_forward_bf16(x.data(), w.data(), b.data(), y16.data(), mean16.data(), rstd16.data(), rows, c,
+                                 1e-5f);
+      EXPECT_EQ(y16, want);
+      EXPECT_EQ(std::memcmp(mean.data(), mean16.data(), rows * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(rstd.data(), rstd16.data(), rows * sizeof(float)), 0);
+      if (c > 1) {
+        EXPECT_NE(want[0], 0) << "a denormal that rounds to a nonzero bf16";
+      }
+    }
+  }
+}
+
 TEST(Kernels, CausalSoftmaxRowsNormaliseThePrefixAndZeroTheRest) {
   for (const kernels::Table* k : tables()) {
     for (int64_t t : kWidths) {

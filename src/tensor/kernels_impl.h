@@ -218,24 +218,51 @@ void scale_row(float* y, int64_t n, float s) {
   for (int64_t j = 0; j < n; ++j) y[j] *= s;
 }
 
+// A row's mean and 1 / standard deviation, written to mean and rstd.
+inline void layer_norm_stats(const float* __restrict xr, int64_t c, float eps, float* mean, float* rstd) {
+  const float inv_c = 1.0f / static_cast<float>(c);
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < c; ++j) s += xr[j];
+  const float mu = s * inv_c;
+  float v = 0.0f;
+#pragma omp simd reduction(+ : v)
+  for (int64_t j = 0; j < c; ++j) v += (xr[j] - mu) * (xr[j] - mu);
+  *mean = mu;
+  *rstd = 1.0f / __builtin_sqrtf(v * inv_c + eps);
+}
+
 void layer_norm_forward(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
                         int64_t rows, int64_t c, float eps) {
-  const float inv_c = 1.0f / static_cast<float>(c);
   for (int64_t r = 0; r < rows; ++r) {
     const float* __restrict xr = x + r * c;
     float* __restrict yr = y + r * c;
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < c; ++j) s += xr[j];
-    const float mu = s * inv_c;
-    float v = 0.0f;
-#pragma omp simd reduction(+ : v)
-    for (int64_t j = 0; j < c; ++j) v += (xr[j] - mu) * (xr[j] - mu);
-    const float rs = 1.0f / __builtin_sqrtf(v * inv_c + eps);
+    layer_norm_stats(xr, c, eps, mean + r, rstd + r);
+    const float mu = mean[r], rs = rstd[r];
 #pragma omp simd
     for (int64_t j = 0; j < c; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
-    mean[r] = mu;
-    rstd[r] = rs;
+  }
+}
+
+// The same, y written as bf16 (round_to_bf16's bits of layer_norm_forward's y) in registers.
+// ((x - mu) rs) w + b: the f32 loop's one contraction is the last multiply and add (fma).
+void layer_norm_forward_bf16(const float* x, const float* w, const float* b, uint16_t* y, float* mean, float* rstd,
+                             int64_t rows, int64_t c, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict xr = x + r * c;
+    uint16_t* __restrict yr = y + r * c;
+    layer_norm_stats(xr, c, eps, mean + r, rstd + r);
+    const float mu = mean[r], rs = rstd[r];
+#if defined(__AVX512F__)
+    const __m512 mu16 = _mm512_set1_ps(mu), rs16 = _mm512_set1_ps(rs);
+    bf16_values(yr, c, nullptr, [&](int64_t i, __mmask16 m) {
+      return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_sub_ps(load16(xr + i, m), mu16), rs16), load16(w + i, m),
+                             load16(b + i, m));
+    });
+#else
+#pragma omp simd
+    for (int64_t j = 0; j < c; ++j) yr[j] = bf16_of((xr[j] - mu) * rs * w[j] + b[j]);
+#endif
   }
 }
 
@@ -549,6 +576,7 @@ void round_to_bf16_sum_rows(const float* x, int64_t rows, int64_t n, uint16_t* d
 const Table& make_table(const char* isa) {
   static const Table t{isa,
                        layer_norm_forward,
+                       layer_norm_forward_bf16,
                        layer_norm_backward,
                        softmax_forward,
                        softmax_backward,

@@ -182,10 +182,12 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, 
   const float* px = x.data();
   float* pm = mean_t.data();
   float* pr = rstd_t.data();
-  detail::produce_into(out, c, [&](float* y, int64_t begin, int64_t n) {  // whole rows at a time
-    kernels::table().layer_norm_forward(px + begin, w.data(), b.data(), y, pm + begin / c, pr + begin / c, n / c, c,
-                                        eps);
-  });
+  if (out_dtype == DType::bf16) {  // rounded in registers, never written in f32
+    kernels::table().layer_norm_forward_bf16(px, w.data(), b.data(), static_cast<uint16_t*>(out.raw_data()), pm, pr,
+                                             rows, c, eps);
+  } else {
+    kernels::table().layer_norm_forward(px, w.data(), b.data(), out.data(), pm, pr, rows, c, eps);
+  }
   if (autograd::needs_grad({&x_in, &weight, &bias})) {
     auto node = std::make_shared<LayerNormBackward>();
     node->x = x;

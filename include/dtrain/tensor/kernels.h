@@ -22,6 +22,10 @@ struct Table {
   /// Layer norm of rows (rows, c): y = (x - mean) * rstd * w + b; mean and rstd per row.
   void (*layer_norm_forward)(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
                              int64_t rows, int64_t c, float eps);
+  /// The same with y written as bf16 (round_to_bf16's bits of its f32 y) without an f32 copy: the
+  /// input of a bf16 product.
+  void (*layer_norm_forward_bf16)(const float* x, const float* w, const float* b, uint16_t* y, float* mean, float* rstd,
+                                  int64_t rows, int64_t c, float eps);
   /// Its gradient: gx (rows, c) written, gw and gb (c) accumulated into.
   void (*layer_norm_backward)(const float* x, const float* w, const float* g, const float* mean, const float* rstd,
                               float* gx, float* gw, float* gb, int64_t rows, int64_t c);
