@@ -232,27 +232,32 @@ inline void layer_norm_stats(const float* __restrict xr, int64_t c, float eps, f
   *rstd = 1.0f / __builtin_sqrtf(v * inv_c + eps);
 }
 
+// Each row's stats, then write_row(r, xr, mu, rs) writes its output.
+template <typename WriteRow>
+inline void layer_norm_rows(const float* x, float* mean, float* rstd, int64_t rows, int64_t c, float eps,
+                            const WriteRow& write_row) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * c;
+    layer_norm_stats(xr, c, eps, mean + r, rstd + r);
+    write_row(r, xr, mean[r], rstd[r]);
+  }
+}
+
 void layer_norm_forward(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
                         int64_t rows, int64_t c, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict xr = x + r * c;
+  layer_norm_rows(x, mean, rstd, rows, c, eps, [&](int64_t r, const float* __restrict xr, float mu, float rs) {
     float* __restrict yr = y + r * c;
-    layer_norm_stats(xr, c, eps, mean + r, rstd + r);
-    const float mu = mean[r], rs = rstd[r];
 #pragma omp simd
     for (int64_t j = 0; j < c; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
-  }
+  });
 }
 
 // The same, y written as bf16 (round_to_bf16's bits of layer_norm_forward's y) in registers.
 // ((x - mu) rs) w + b: the f32 loop's one contraction is the last multiply and add (fma).
 void layer_norm_forward_bf16(const float* x, const float* w, const float* b, uint16_t* y, float* mean, float* rstd,
                              int64_t rows, int64_t c, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict xr = x + r * c;
+  layer_norm_rows(x, mean, rstd, rows, c, eps, [&](int64_t r, const float* __restrict xr, float mu, float rs) {
     uint16_t* __restrict yr = y + r * c;
-    layer_norm_stats(xr, c, eps, mean + r, rstd + r);
-    const float mu = mean[r], rs = rstd[r];
 #if defined(__AVX512F__)
     const __m512 mu16 = _mm512_set1_ps(mu), rs16 = _mm512_set1_ps(rs);
     bf16_values(yr, c, nullptr, [&](int64_t i, __mmask16 m) {
@@ -263,7 +268,7 @@ void layer_norm_forward_bf16(const float* x, const float* w, const float* b, uin
 #pragma omp simd
     for (int64_t j = 0; j < c; ++j) yr[j] = bf16_of((xr[j] - mu) * rs * w[j] + b[j]);
 #endif
-  }
+  });
 }
 
 // dxhat = g * w; dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
