@@ -1020,9 +1020,23 @@ TEST(OpsAttention, RecomputedProbabilitiesAreTheForwardsBits) {
   }
 }
 
+// Rows [0, k) of x (row stride ld), columns [0, n), in pairs of rows as dot_tiles.h's B layout
+// holds them: element (kk, j) at dst[(kk / 2) * ldd + 2 j + kk % 2], rounded to bf16 (nearest
+// even), the pair of an odd last row completed with zeros; words past 2 n left as they are.
+std::vector<uint16_t> packed_pairs(const std::vector<float>& x, int64_t ld, int64_t k, int64_t n, int64_t ldd,
+                                   std::vector<uint16_t> dst) {
+  for (int64_t kk = 0; kk < k + k % 2; ++kk) {
+    for (int64_t j = 0; j < n; ++j) {
+      dst[static_cast<size_t>((kk / 2) * ldd + 2 * j + kk % 2)] =
+          kk < k ? f32_to_bf16(x[static_cast<size_t>(kk * ld + j)]) : uint16_t{0};
+    }
+  }
+  return dst;
+}
+
 // The bf16 backward takes P and dS in pairs of rows for dK and dV straight from the tiles'
-// registers: the same words as packing their f32 rows with pack_pairs_f32, up to the columns
-// the tiles read (an odd last row paired with zeros), and the same dS rounded into the tile.
+// registers: the words of their f32 rows rounded and packed in pairs, up to the columns the
+// tiles read (an odd last row paired with zeros), and the same dS rounded into the tile.
 TEST(OpsAttention, TilesWritePairsAsPackingTheirRowsWould) {
   if (!detail::bf16_dot_available()) GTEST_SKIP() << "no AVX512_BF16 kernels here";
   for (const int64_t t : {1, 7, 8, 9, 17, 40, 128}) {
@@ -1038,20 +1052,20 @@ TEST(OpsAttention, TilesWritePairsAsPackingTheirRowsWould) {
       detail::causal_softmax_tile(p.data(), ld, i0, r, zero_to, unused.data(), stats.data());
       // P: recomputed with pairs against recomputed without and packed.
       std::vector<float> p1(scores.begin() + i0 * ld, scores.begin() + n * ld), p2 = p1;
-      std::vector<uint16_t> pairs(static_cast<size_t>(rows * ldp), 0xdead), packed = pairs;
+      std::vector<uint16_t> pairs(static_cast<size_t>(rows * ldp), 0xdead);
       detail::causal_softmax_recompute_tile(p1.data(), ld, i0, r, zero_to, stats.data(), pairs.data(), ldp);
       detail::causal_softmax_recompute_tile(p2.data(), ld, i0, r, zero_to, stats.data());
-      detail::pack_pairs_f32(p2.data(), ld, r, zero_to, packed.data(), ldp);
-      EXPECT_EQ(pairs, packed) << "P, T " << t << " rows from " << i0;
+      EXPECT_EQ(pairs, packed_pairs(p2, ld, r, zero_to, ldp, std::vector<uint16_t>(pairs.size(), 0xdead)))
+          << "P, T " << t << " rows from " << i0;
       EXPECT_EQ(std::memcmp(p1.data(), p2.data(), p1.size() * sizeof(float)), 0) << "T " << t << " rows from " << i0;
       // dS: with pairs (dp keeps dP) against in place and packed; the tiles alike.
       std::vector<float> d1(grads.begin() + i0 * ld, grads.begin() + n * ld), d2 = d1;
       std::vector<uint16_t> tile1(static_cast<size_t>(r * n), 0xbeef), tile2 = tile1;
-      std::vector<uint16_t> ds(static_cast<size_t>(rows * ldp), 0xdead), ds_packed = ds;
+      std::vector<uint16_t> ds(static_cast<size_t>(rows * ldp), 0xdead);
       detail::causal_softmax_backward_tile(p2.data(), d1.data(), ld, i0, r, zero_to, tile1.data(), ds.data(), ldp);
       detail::causal_softmax_backward_tile(p2.data(), d2.data(), ld, i0, r, zero_to, tile2.data());
-      detail::pack_pairs_f32(d2.data(), ld, r, zero_to, ds_packed.data(), ldp);
-      EXPECT_EQ(ds, ds_packed) << "dS, T " << t << " rows from " << i0;
+      EXPECT_EQ(ds, packed_pairs(d2, ld, r, zero_to, ldp, std::vector<uint16_t>(ds.size(), 0xdead)))
+          << "dS, T " << t << " rows from " << i0;
       EXPECT_EQ(tile1, tile2) << "dS tile, T " << t << " rows from " << i0;
       EXPECT_TRUE(std::equal(d1.begin(), d1.end(), grads.begin() + i0 * ld)) << "dP kept, T " << t;
     }

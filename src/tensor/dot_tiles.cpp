@@ -251,20 +251,6 @@ void pack_pairs(const uint16_t* x, int64_t ld, int64_t k, int64_t n, uint16_t* d
   }
 }
 
-void pack_pairs_f32(const float* x, int64_t ld, int64_t k, int64_t n, uint16_t* dst, int64_t ldd) {
-  for (int64_t p = 0; 2 * p < k; ++p) {
-    const float* r0 = x + 2 * p * ld;
-    const float* r1 = 2 * p + 1 < k ? r0 + ld : nullptr;
-    interleave_rows(
-        [&](int64_t j, __mmask16 m) {
-          const __m512 lo = _mm512_maskz_loadu_ps(m, r0 + j);
-          const __m512 hi = r1 != nullptr ? _mm512_maskz_loadu_ps(m, r1 + j) : _mm512_setzero_ps();
-          return interleave_halves((__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // NOLINT: lo's in the low half
-        },
-        n, dst + p * ldd);
-  }
-}
-
 void pack_pairs_transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t k, uint16_t* dst, int64_t ldd) {
   const int64_t pairs = k / 2;  // ldd is even: its rows are 32-bit words
   transpose_words(reinterpret_cast<const char*>(x), ld * 2, n, pairs, reinterpret_cast<uint32_t*>(dst), ldd / 2);
@@ -343,7 +329,8 @@ void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t ze
 namespace {
 
 // Lanes [j, j + 16) of two rows of a tile (the second zero past a tile's last row) into their
-// pair's packed row: 32 words at pair + 2 j, up to column `cols`, as pack_pairs_f32 writes them.
+// pair's packed row (the B layout above, rounded to nearest even): 32 words at pair + 2 j, up to
+// column `cols`.
 inline void store_pair(uint16_t* pair, int64_t j, __m512 lo, __m512 hi, int64_t cols) {
   const __m512i words = interleave_halves((__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // NOLINT: the same 512 bits
   _mm512_mask_storeu_epi16(pair + 2 * j, lanes32(2 * (cols - j)), words);

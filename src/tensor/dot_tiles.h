@@ -48,8 +48,8 @@ void bf16_dot_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t*
 void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile, float* stats);
 /// P again from the same scores and the stats causal_softmax_tile wrote for them: the same
 /// operations on the same values, so the same bits, without the passes for the maximum and sum.
-/// Where pairs is not null, P also goes there as pack_pairs_f32(s, ld, r, zero_to, pairs, ldp)
-/// would write it (i0 even), from the registers.
+/// Where pairs is not null, P's rows also go there in pairs (the B layout above, row stride ldp,
+/// columns up to zero_to, an odd last row paired with zeros; i0 even), rounded from the registers.
 void causal_softmax_recompute_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, const float* stats,
                                    uint16_t* pairs = nullptr, int64_t ldp = 0);
 /// Its gradient from those rows of P (p) and dP (dp): dS = P (dP - rowsum(dP P)), zeros up to
@@ -58,9 +58,8 @@ void causal_softmax_recompute_tile(float* s, int64_t ld, int64_t i0, int64_t r, 
 void causal_softmax_backward_tile(const float* p, float* dp, int64_t ld, int64_t i0, int64_t r, int64_t zero_to,
                                   uint16_t* tile, uint16_t* pairs = nullptr, int64_t ldp = 0);
 /// Packs X (k, n), element (kk, j) at x[kk * ld + j], in pairs of rows into dst (row stride ldd
-/// >= 2 n); pack_pairs_f32 rounds f32 values to bf16 (to nearest even) on the way.
+/// >= 2 n).
 void pack_pairs(const uint16_t* x, int64_t ld, int64_t k, int64_t n, uint16_t* dst, int64_t ldd);
-void pack_pairs_f32(const float* x, int64_t ld, int64_t k, int64_t n, uint16_t* dst, int64_t ldd);
 /// Packs the transpose of X (n, k), element (j, kk) at x[j * ld + kk]: B = X^T, so that
 /// bf16_dot_gemm gives A X^T.
 void pack_pairs_transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t k, uint16_t* dst, int64_t ldd);
