@@ -354,6 +354,53 @@ TEST(Gemm, WithBiasEachRouteIsTheProductPlusTheBias) {
   }
 }
 
+// A residual given to sgemm_bias or gemm_bf16_bias (oneDNN's binary post-op, or the pass after
+// OpenBLAS or the bf16 fallback) is added last: the bits of the same call without it plus the
+// residual, on each library, both precisions and the linear layers' shapes (K = 0 included).
+TEST(Gemm, WithResidualEachRouteAddsItLastBitForBit) {
+  PolicyGuard guard;
+  for (const Precision precision : {Precision::f32, Precision::bf16}) {
+    PrecisionGuard p(precision);
+    const bool bf16 = precision == Precision::bf16;
+    for (GemmBackend lib : libraries()) {
+      set_gemm_backend(lib);
+      for (const Case& c : std::vector<Case>{{false, true, 2048, 128, 128},
+                                             {false, true, 200, 128, 512},
+                                             {false, true, 33, 47, 10},
+                                             {false, true, 6, 5, 0}}) {
+        Generator gen(static_cast<uint64_t>(c.m * 7 + c.n * 3 + c.k + 2));
+        const std::vector<float> a = Tensor::randn({std::max<int64_t>(1, c.m * c.k)}, gen).to_vector();
+        const std::vector<float> b = Tensor::randn({std::max<int64_t>(1, c.k * c.n)}, gen).to_vector();
+        const std::vector<float> bias = Tensor::randn({c.n}, gen).to_vector();
+        const std::vector<float> residual = Tensor::randn({c.m * c.n}, gen).to_vector();
+        std::vector<float> plain(static_cast<size_t>(c.m * c.n), std::nanf(""));
+        std::vector<float> added(plain.size(), std::nanf(""));
+        const int64_t k = std::max<int64_t>(1, c.k);
+        if (bf16) {
+          std::vector<uint16_t> a16(a.size()), b16(b.size());
+          for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
+          for (size_t i = 0; i < b.size(); ++i) b16[i] = f32_to_bf16(b[i]);
+          gemm_bf16_bias(c.ta, c.tb, c.m, c.n, c.k, a16.data(), k, b16.data(), k, bias.data(), plain.data());
+          gemm_bf16_bias(c.ta, c.tb, c.m, c.n, c.k, a16.data(), k, b16.data(), k, bias.data(), added.data(),
+                         residual.data());
+        } else {
+          sgemm_bias(c.ta, c.tb, c.m, c.n, c.k, a.data(), k, b.data(), k, bias.data(), plain.data());
+          sgemm_bias(c.ta, c.tb, c.m, c.n, c.k, a.data(), k, b.data(), k, bias.data(), added.data(), residual.data());
+        }
+        int wrong = 0;
+        for (size_t i = 0; i < plain.size(); ++i) {
+          const float want = residual[i] + plain[i];
+          if (std::memcmp(&want, &added[i], sizeof(float)) != 0 && ++wrong <= 3) {
+            ADD_FAILURE() << gemm_backend_name(lib) << (bf16 ? " bf16 " : " f32 ") << describe(c) << ": C[" << i
+                          << "] = " << added[i] << ", product + bias + residual " << want;
+          }
+        }
+        EXPECT_EQ(wrong, 0) << gemm_backend_name(lib) << (bf16 ? " bf16 " : " f32 ") << describe(c);
+      }
+    }
+  }
+}
+
 // With bf16 products every element is within the f32-summation bound of the product of the
 // operands rounded to bf16 (check_case's reference rounds them): the operands are bf16, the sums
 // f32. Against the unrounded operands that is within (2^-7 + 2^-16 + gamma_K) sum |a b|.

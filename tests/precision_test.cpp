@@ -237,6 +237,44 @@ TEST(Bf16Ops, LinearGeluIsGeluOfLinearBitForBit) {
   }
 }
 
+// The residual connection as one op (the byte GPT's projections): the output and every gradient,
+// the residual's included, are add(residual, linear(x))'s bits, at both precisions, with and
+// without a bias; a residual of another shape is refused.
+TEST(Bf16Ops, LinearResidualIsAddOfLinearBitForBit) {
+  for (const Precision precision : {Precision::f32, Precision::bf16}) {
+    PrecisionGuard guard(precision);
+    for (const bool with_bias : {true, false}) {
+      auto run_with = [&](bool fused) {
+        Tensor x = randn({3, 7, 24}, 60).set_requires_grad(true);
+        Tensor w = randn({40, 24}, 61).set_requires_grad(true);
+        Tensor b = with_bias ? randn({40}, 62).set_requires_grad(true) : Tensor();
+        Tensor r = randn({3, 7, 40}, 63).set_requires_grad(true);
+        Tensor y = fused ? ops::linear_residual(x, w, b, r) : ops::add(r, ops::linear(x, w, b));
+        // r feeds the next op too, as the residual stream does: its gradient has two parts.
+        Tensor z = ops::add(ops::linear(y, randn({5, 40}, 64), Tensor()), ops::linear(r, randn({5, 40}, 65), Tensor()));
+        ops::sum(ops::mul(z, z)).backward();
+        std::vector<std::vector<float>> out{y.to_vector(), x.grad().to_vector(), w.grad().to_vector(),
+                                            r.grad().to_vector()};
+        if (with_bias) out.push_back(b.grad().to_vector());
+        return out;
+      };
+      const auto fused = run_with(true), apart = run_with(false);
+      ASSERT_EQ(fused.size(), apart.size());
+      for (size_t i = 0; i < fused.size(); ++i) {
+        EXPECT_EQ(fused[i], apart[i]) << (precision == Precision::bf16 ? "bf16" : "f32") << " bias " << with_bias
+                                      << " result " << i;
+      }
+    }
+  }
+  try {
+    ops::linear_residual(randn({4, 24}, 1), randn({40, 24}, 2), randn({40}, 3), randn({4, 24}, 4));
+    ADD_FAILURE() << "a (4, 24) residual for a (4, 40) output was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("residual [4, 24] does not match the output [4, 40]"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Bf16Ops, AttentionBelowTheBf16HeadDimensionIsF32BitForBit) {
   const int64_t saved_dim = ops::attention_bf16_min_head_dim();
   ops::set_attention_bf16_min_head_dim(9);  // head dimension 32 / 4 = 8: just below

@@ -30,6 +30,8 @@ Tensor GELU::forward(const Tensor& x) { return ops::gelu(x); }
 
 Tensor Dropout::forward(const Tensor& x) { return ops::dropout(x, p_, is_training(), gen_); }
 
+bool Dropout::identity() const { return p_ == 0.0f || !is_training(); }
+
 void Dropout::reseed(uint64_t salt) {
   // splitmix64 of the pair: nearby salts give unrelated streams.
   uint64_t z = seed_ ^ (salt + 0x9e3779b97f4a7c15ULL + (seed_ << 6) + (seed_ >> 2));
@@ -112,11 +114,15 @@ Tensor TransformerBlock::forward(const Tensor& x) {
   const int64_t head_dim = qkv_->weight.size(0) / 3 / heads_;
   const DType qkv_dtype = ops::attention_products_bf16(head_dim) ? DType::bf16 : DType::f32;
   const Tensor qkv = ops::linear(n1, qkv_->weight, qkv_->bias, qkv_dtype);
-  Tensor a = proj_->forward(ops::causal_attention(qkv, heads_, in));
-  Tensor h = ops::add(x, drop_->forward(a));
+  const Tensor att = ops::causal_attention(qkv, heads_, in);
+  // Without dropout (p 0, or evaluation) the residual is added by the projection's product itself.
+  const bool fused = drop_->identity();
+  const Tensor h = fused ? ops::linear_residual(att, proj_->weight, proj_->bias, x)
+                         : ops::add(x, drop_->forward(proj_->forward(att)));
   const Tensor n2 = ops::layer_norm(h, ln2_->weight, ln2_->bias, ln2_->eps, in);
-  Tensor m = fc_proj_->forward(ops::linear_gelu(n2, fc_->weight, fc_->bias, in));
-  return ops::add(h, drop_->forward(m));
+  const Tensor g = ops::linear_gelu(n2, fc_->weight, fc_->bias, in);
+  return fused ? ops::linear_residual(g, fc_proj_->weight, fc_proj_->bias, h)
+               : ops::add(h, drop_->forward(fc_proj_->forward(g)));
 }
 
 GptHead::GptHead(const GptConfig& cfg, Generator& gen) {

@@ -383,6 +383,11 @@ void fill_rows(const float* bias, int64_t m, int64_t n, float* c) {
   for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * n, bias, static_cast<size_t>(n) * sizeof(float));
 }
 
+void add_residual(const float* residual, int64_t count, float* c) {
+  if (residual == nullptr) return;
+  for (int64_t i = 0; i < count; ++i) c[i] = residual[i] + c[i];
+}
+
 int apply_omp_threads() {
 #if DTRAIN_HAVE_ONEDNN
   const int want = g_threads.load(std::memory_order_relaxed);
@@ -425,12 +430,13 @@ void sgemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
 }
 
 void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                const float* b, int64_t ldb, const float* bias, float* c) {
+                const float* b, int64_t ldb, const float* bias, float* c, const float* residual) {
   profile::Scope scope(profile::Kind::matmul);
   if (m == 0 || n == 0) return;
   if (k == 0 || matmul_precision() == Precision::bf16) {
     detail::fill_rows(bias, m, n, c);
     sgemm_on(GemmBackend::automatic, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
+    detail::add_residual(residual, m * n, c);
     return;
   }
   if (!product_to_run("sgemm_bias", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, c, n)) return;
@@ -438,13 +444,15 @@ void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, con
       detail::library_for(GemmBackend::automatic, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb);
 #if DTRAIN_HAVE_ONEDNN
   if (library == GemmBackend::onednn) {
-    detail::run_matmul(detail::matmul_shape(false, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, true), a, b,
-                       bias, c);
+    detail::MatmulShape shape = detail::matmul_shape(false, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, true);
+    shape.residual = residual != nullptr;
+    detail::run_matmul(shape, a, b, bias, c, residual);
     return;
   }
 #endif
   detail::fill_rows(bias, m, n, c);
   run_library(library, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
+  detail::add_residual(residual, m * n, c);
 }
 
 namespace {
@@ -452,7 +460,8 @@ namespace {
 // A dense bf16 product on oneDNN's matmul, the bias (if any) added in its epilogue, C (M, N) dense
 // in f32 or (c_bf16) bf16; false where it cannot run there (no bf16 kernels, strided operands, K 0).
 bool onednn_bf16_dense(const char* op, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
-                       int64_t lda, const uint16_t* b, int64_t ldb, const float* bias, void* c, bool c_bf16) {
+                       int64_t lda, const uint16_t* b, int64_t ldb, const float* bias, void* c, bool c_bf16,
+                       const float* residual = nullptr) {
 #if DTRAIN_HAVE_ONEDNN
   const bool dense = lda == (trans_a ? m : k) && ldb == (trans_b ? k : n);
   const bool native = c_bf16 ? detail::bf16_results_native() : detail::bf16_products_native();
@@ -460,12 +469,13 @@ bool onednn_bf16_dense(const char* op, bool trans_a, bool trans_b, int64_t m, in
     detail::MatmulShape shape =
         detail::matmul_shape(true, trans_a, trans_b, m, n, k, lda, ldb, n, 1.0f, 0.0f, bias != nullptr);
     shape.c_bf16 = c_bf16;
-    detail::run_matmul(shape, a, b, bias, c);
+    shape.residual = residual != nullptr;
+    detail::run_matmul(shape, a, b, bias, c, residual);
     return true;
   }
 #else
   (void)op, (void)trans_a, (void)trans_b, (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb;
-  (void)bias, (void)c, (void)c_bf16;
+  (void)bias, (void)c, (void)c_bf16, (void)residual;
 #endif
   return false;
 }
@@ -473,12 +483,13 @@ bool onednn_bf16_dense(const char* op, bool trans_a, bool trans_b, int64_t m, in
 }  // namespace
 
 void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
-                    const uint16_t* b, int64_t ldb, const float* bias, float* c) {
+                    const uint16_t* b, int64_t ldb, const float* bias, float* c, const float* residual) {
   profile::Scope scope(profile::Kind::matmul);
   if (m == 0 || n == 0) return;
-  if (onednn_bf16_dense("gemm_bf16_bias", trans_a, trans_b, m, n, k, a, lda, b, ldb, bias, c, false)) return;
+  if (onednn_bf16_dense("gemm_bf16_bias", trans_a, trans_b, m, n, k, a, lda, b, ldb, bias, c, false, residual)) return;
   detail::fill_rows(bias, m, n, c);
   gemm_bf16(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
+  detail::add_residual(residual, m * n, c);
 }
 
 void gemm_bf16_to_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,

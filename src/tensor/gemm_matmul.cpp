@@ -26,9 +26,10 @@ namespace {
 
 using dnnl::memory;
 
-// (bf16 operands, trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, bias, bf16 C, threads)
+// (bf16 operands, trans_a, trans_b, M, N, K, lda, ldb, ldc, alpha bits, beta bits, bias, bf16 C, residual,
+// threads)
 using PrimitiveKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t,
-                                uint32_t, bool, bool, int>;
+                                uint32_t, bool, bool, bool, int>;
 
 struct Built {
   dnnl::matmul::primitive_desc desc;
@@ -77,20 +78,24 @@ dnnl::matmul::primitive_desc describe_matmul(const MatmulShape& s) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
-  if (s.beta != 0.0f) {
+  if (s.beta != 0.0f || s.residual) {
     dnnl::post_ops ops;
-    ops.append_sum(s.beta);
+    if (s.beta != 0.0f) ops.append_sum(s.beta);
+    // The residual as a binary post-op: added to each f32 value (product + bias) as it is written.
+    if (s.residual) ops.append_binary(dnnl::algorithm::binary_add, matmul_result(s.m, s.n, s.n, false));
     attr.set_post_ops(ops);
   }
   if (s.bias) return {dnnl::matmul::desc(a, b, matmul_bias(s.n), c), attr, onednn_engine()};
   return {dnnl::matmul::desc(a, b, c), attr, onednn_engine()};
 }
 
-void run_matmul(const MatmulShape& s, const void* a, const void* b, const float* bias, void* c) {
+void run_matmul(const MatmulShape& s, const void* a, const void* b, const float* bias, void* c, const float* residual) {
+  DT_CHECK(s.residual == (residual != nullptr), "tensor", "matmul M {} N {} K {}: a residual is {} but {}", s.m, s.n,
+           s.k, s.residual ? "expected" : "not expected", residual != nullptr ? "given" : "missing");
   const int threads = apply_omp_threads();
   Primitives& p = primitives();
-  const PrimitiveKey key{s.bf16, s.ta,  s.tb,          s.m,          s.n,    s.k,      s.lda,
-                         s.ldb,  s.ldc, bits(s.alpha), bits(s.beta), s.bias, s.c_bf16, threads};
+  const PrimitiveKey key{s.bf16, s.ta,          s.tb,         s.m,    s.n,      s.k,        s.lda,  s.ldb,
+                         s.ldc,  bits(s.alpha), bits(s.beta), s.bias, s.c_bf16, s.residual, threads};
   Built* built = nullptr;
   {
     std::lock_guard<std::mutex> lock(p.mu);
@@ -109,6 +114,10 @@ void run_matmul(const MatmulShape& s, const void* a, const void* b, const float*
       {DNNL_ARG_WEIGHTS, memory(matmul_operand(s.bf16, s.k, s.n, s.tb, s.ldb), onednn_engine(), const_cast<void*>(b))},
       {DNNL_ARG_DST, memory(matmul_result(s.m, s.n, s.ldc, s.c_bf16), onednn_engine(), c)}};
   if (s.bias) args.emplace(DNNL_ARG_BIAS, memory(matmul_bias(s.n), onednn_engine(), const_cast<float*>(bias)));
+  if (s.residual) {
+    args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                 memory(matmul_result(s.m, s.n, s.n, false), onednn_engine(), const_cast<float*>(residual)));
+  }
   const memory::desc scratch_desc = built->desc.scratchpad_desc();
   thread_local std::vector<unsigned char> scratch;
   if (scratch.size() < scratch_desc.get_size()) scratch.resize(scratch_desc.get_size());

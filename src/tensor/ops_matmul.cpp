@@ -169,6 +169,17 @@ struct LinearGeluBackward : LinearBackward {
   const char* name() const override { return "linear_gelu"; }
 };
 
+// residual + linear(x) as one node: the residual's gradient is the output's, as add's backward
+// passes it on.
+struct LinearResidualBackward : LinearBackward {
+  std::vector<Tensor> apply(const Tensor& g_in) override {
+    std::vector<Tensor> out = grads(g_in.contiguous(), Tensor(), Tensor());
+    out.push_back(next[3] ? g_in : Tensor());
+    return out;
+  }
+  const char* name() const override { return "linear_residual"; }
+};
+
 // x W^T + b: the operands checked, rounded and kept as LinearBackward wants them.
 struct LinearProduct {
   Tensor x, w, b;  // x, w contiguous (bf16 under bf16 products); b the bias, contiguous, or undefined
@@ -178,16 +189,20 @@ struct LinearProduct {
 
 LinearProduct linear_operands(const Tensor& x_in, const Tensor& weight, const Tensor& bias);
 
+// The node's inputs: x, the weight, the bias if any [and the residual, with the bias's slot
+// empty where there is none].
 template <typename Node>
 void attach_linear(const std::shared_ptr<Node>& node, const LinearProduct& p, Tensor& out, const Tensor& x_in,
-                   const Tensor& weight, const Tensor& bias) {
+                   const Tensor& weight, const Tensor& bias, const Tensor* residual = nullptr) {
   node->x = p.x;
   node->w = p.w;
   node->x_shape = x_in.shape();
   node->m = p.m;
   node->in = p.in;
   node->out = p.out_f;
-  if (bias.defined()) {
+  if (residual != nullptr) {
+    autograd::attach(out, node, {&x_in, &weight, bias.defined() ? &bias : nullptr, residual});
+  } else if (bias.defined()) {
     autograd::attach(out, node, {&x_in, &weight, &bias});
   } else {
     autograd::attach(out, node, {&x_in, &weight});
@@ -273,20 +288,25 @@ LinearProduct linear_operands(const Tensor& x_in, const Tensor& weight, const Te
   return p;
 }
 
-// x W^T + b into out (M, out), f32; the bias added by the product itself (gemm.h's sgemm_bias
-// and gemm_bf16_bias).
-void linear_f32(const LinearProduct& p, float* out) {
+// x W^T + b [+ residual, added last] into out (M, out), f32; the bias (and the residual) added by
+// the product itself (gemm.h's sgemm_bias and gemm_bf16_bias).
+void linear_f32(const LinearProduct& p, float* out, const float* residual = nullptr) {
   const int64_t lx = std::max<int64_t>(1, p.in);
   if (p.bf16) {
     if (p.b.defined()) {
-      gemm_bf16_bias(false, true, p.m, p.out_f, p.in, bf16_bits(p.x), lx, bf16_bits(p.w), lx, p.b.data(), out);
-    } else {
-      gemm_bf16_packed(false, true, p.m, p.out_f, p.in, p.x, p.w, 0.0f, out);
+      gemm_bf16_bias(false, true, p.m, p.out_f, p.in, bf16_bits(p.x), lx, bf16_bits(p.w), lx, p.b.data(), out,
+                     residual);
+      return;
     }
+    gemm_bf16_packed(false, true, p.m, p.out_f, p.in, p.x, p.w, 0.0f, out);
   } else if (p.b.defined()) {
-    sgemm_bias(false, true, p.m, p.out_f, p.in, p.x.data(), lx, p.w.data(), lx, p.b.data(), out);
+    sgemm_bias(false, true, p.m, p.out_f, p.in, p.x.data(), lx, p.w.data(), lx, p.b.data(), out, residual);
+    return;
   } else {
     gemm(false, true, p.m, p.out_f, p.in, 1.0f, p.x.data(), p.w.data(), 0.0f, out);
+  }
+  if (residual != nullptr) {  // no bias: the product's C, then the residual added as add would
+    for (int64_t i = 0, n = p.m * p.out_f; i < n; ++i) out[i] = residual[i] + out[i];
   }
 }
 
@@ -335,6 +355,23 @@ Tensor linear_gelu(const Tensor& x_in, const Tensor& weight, const Tensor& bias,
     auto node = std::make_shared<LinearGeluBackward>();
     node->h = h;
     attach_linear(node, p, out, x_in, weight, bias);
+  }
+  return out;
+}
+
+Tensor linear_residual(const Tensor& x_in, const Tensor& weight, const Tensor& bias, const Tensor& residual) {
+  profile::Scope scope(profile::Kind::linear);
+  LinearProduct p = linear_operands(x_in, weight, bias);
+  check_f32(residual, "linear_residual", "residual");
+  const Shape shape = linear_shape(x_in, p.out_f);
+  DT_CHECK(residual.shape() == shape, "tensor", "linear_residual: residual {} does not match the output {}",
+           shape_str(residual.shape()), shape_str(shape));
+  const Tensor r = residual.detach().contiguous();
+  Tensor out = Tensor::empty({p.m, p.out_f});
+  linear_f32(p, out.data(), r.data());
+  out = out.reshape(shape);
+  if (autograd::needs_grad({&x_in, &weight, &bias, &residual})) {
+    attach_linear(std::make_shared<LinearResidualBackward>(), p, out, x_in, weight, bias, &residual);
   }
   return out;
 }

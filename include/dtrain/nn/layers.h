@@ -38,6 +38,8 @@ class Dropout : public Module {
  public:
   Dropout(float p, uint64_t seed) : p_(p), seed_(seed), gen_(seed) {}
   Tensor forward(const Tensor& x) override;
+  /// Whether forward returns its input as it is (p 0, or not training): no mask, no random draws.
+  bool identity() const;
   Generator& generator() { return gen_; }
   /// Restarts the masks from a state that depends only on this module's seed and `salt`.
   void reseed(uint64_t salt);

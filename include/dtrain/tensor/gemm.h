@@ -59,8 +59,11 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 /// every row of C (dense: ldc = N). Where the shape runs on oneDNN, its matmul primitive adds the
 /// bias as it writes C (one pass over C); elsewhere C is filled with the bias and the product
 /// added to it (beta 1). The two differ in the last bits, like the two libraries.
+/// With a `residual` R (M, N), dense, not C: C = R + (op(A) op(B) + bias), the bits of adding R
+/// afterwards (a residual connection); oneDNN adds it in the same epilogue (a binary post-op),
+/// elsewhere a pass over C adds it.
 void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                const float* b, int64_t ldb, const float* bias, float* c);
+                const float* b, int64_t ldb, const float* bias, float* c, const float* residual = nullptr);
 /// sgemm in f32 whatever matmul_precision() says: for an op whose products are faster in f32
 /// at its shapes (causal_attention's per-head products below attention_bf16_min_head_dim()).
 void sgemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -102,9 +105,10 @@ Precision matmul_precision();
 /// operand in several products (linear's input, weight and output gradient), rounded once.
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
                const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
-/// gemm_bf16 with a bias, as sgemm_bias: C (M, N), dense, = op(A) op(B) + bias on every row.
+/// gemm_bf16 with a bias, as sgemm_bias: C (M, N), dense, = op(A) op(B) + bias on every row
+/// [+ a residual, as sgemm_bias adds it].
 void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
-                    const uint16_t* b, int64_t ldb, const float* bias, float* c);
+                    const uint16_t* b, int64_t ldb, const float* bias, float* c, const float* residual = nullptr);
 /// gemm_bf16 (bias: nullptr, or as gemm_bf16_bias) with C (M, N), dense, written as bf16: the f32
 /// sums rounded to nearest even, for a product whose result is only ever read as a bf16 operand
 /// (the attention's qkv). oneDNN rounds them in its epilogue: the bits of Tensor::to(DType::bf16),

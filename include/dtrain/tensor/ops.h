@@ -52,6 +52,10 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, DType o
 /// gelu(linear(x, weight, bias), out) as one op, the same bits: under bf16 products its backward
 /// rounds GELU's gradient for the products and sums the bias's in one pass, in registers.
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, DType out = DType::f32);
+/// add(residual, linear(x, weight, bias)) as one op, the same bits: a residual connection whose
+/// product adds the residual (f32, the output's shape) as it writes its result, on oneDNN in the
+/// same epilogue as the bias, instead of a second pass over both.
+Tensor linear_residual(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& residual);
 
 // ---- neural-network ops (over the last dimension) ----
 Tensor softmax(const Tensor& a);
