@@ -251,6 +251,58 @@ TEST(Kernels, LayerNormWritesBf16AsRoundToBf16Would) {
   }
 }
 
+// Layer norm takes rows in groups where the width is a multiple of 16 (AVX-512: 8 rows' stats,
+// 4 rows' gradients at once) and one by one elsewhere: every row's mean, rstd, output (f32 and
+// bf16) and input gradient, and the weight's and bias's gradients summed over the rows, are the
+// bits of calling the kernels on one row at a time.
+TEST(Kernels, LayerNormRowsInGroupsAreTheBitsOfOneRowAtATime) {
+  for (const kernels::Table* k : tables()) {
+    for (int64_t c : {int64_t{16}, int64_t{48}, int64_t{128}, int64_t{100}, int64_t{4096}}) {
+      SCOPED_TRACE(std::string(k->isa) + " c=" + std::to_string(c));
+      const int64_t rows = 19, total = rows * c;
+      const std::vector<float> x = randn(total, 80 + static_cast<uint64_t>(c), 2.0f), g = randn(total, 81);
+      const std::vector<float> w = randn(c, 82), b = randn(c, 83), gw0 = randn(c, 84), gb0 = randn(c, 85);
+      struct Out {
+        std::vector<float> y, mean, rstd, gx, gw, gb;
+        std::vector<uint16_t> y16;
+      };
+      auto run = [&](int64_t step) {
+        Out o{std::vector<float>(total),
+              std::vector<float>(rows),
+              std::vector<float>(rows),
+              std::vector<float>(total),
+              gw0,
+              gb0,
+              std::vector<uint16_t>(total)};
+        std::vector<float> mean16(rows), rstd16(rows);
+        for (int64_t r = 0; r < rows; r += step) {
+          const int64_t n = std::min(step, rows - r), at = r * c;
+          k->layer_norm_forward(x.data() + at, w.data(), b.data(), o.y.data() + at, o.mean.data() + r,
+                                o.rstd.data() + r, n, c, 1e-5f);
+          k->layer_norm_forward_bf16(x.data() + at, w.data(), b.data(), o.y16.data() + at, mean16.data() + r,
+                                     rstd16.data() + r, n, c, 1e-5f);
+          k->layer_norm_backward(x.data() + at, w.data(), g.data() + at, o.mean.data() + r, o.rstd.data() + r,
+                                 o.gx.data() + at, o.gw.data(), o.gb.data(), n, c);
+        }
+        EXPECT_EQ(std::memcmp(mean16.data(), o.mean.data(), rows * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(rstd16.data(), o.rstd.data(), rows * sizeof(float)), 0);
+        return o;
+      };
+      const Out all = run(rows), one = run(1);
+      auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      };
+      EXPECT_TRUE(same(all.mean, one.mean));
+      EXPECT_TRUE(same(all.rstd, one.rstd));
+      EXPECT_TRUE(same(all.y, one.y));
+      EXPECT_EQ(all.y16, one.y16);
+      EXPECT_TRUE(same(all.gx, one.gx));
+      EXPECT_TRUE(same(all.gw, one.gw));
+      EXPECT_TRUE(same(all.gb, one.gb));
+    }
+  }
+}
+
 TEST(Kernels, CausalSoftmaxRowsNormaliseThePrefixAndZeroTheRest) {
   for (const kernels::Table* k : tables()) {
     for (int64_t t : kWidths) {

@@ -254,11 +254,72 @@ inline void layer_norm_stats(const float* __restrict xr, int64_t c, float eps, f
   *rstd = 1.0f / __builtin_sqrtf(v * inv_c + eps);
 }
 
+#if defined(__AVX512F__)
+// layer_norm_stats of kStatRows rows, c a multiple of 16, the same bits: each row's two sums in
+// the order the compiler gives layer_norm_stats' `omp simd` loops with AVX-512 (lane j sums the
+// row's elements j, j + 16, ... from zero; then 0 + lane 0 + lane 1 + ... + lane 15 in turn).
+// The rows' lanes are summed row after row (memory order: taking the rows' vectors in turn
+// slowed rows that come from L3), and the sums of their lanes, the sixteen dependent adds that
+// left the core waiting, for all the rows together.
+constexpr int kStatRows = 8;
+
+inline void layer_norm_stats_rows(const float* x, int64_t c, float eps, float* mean, float* rstd) {
+  const float inv_c = 1.0f / static_cast<float>(c);
+  alignas(64) float lane[kStatRows][16];
+  __m512 acc[kStatRows];
+  for (int k = 0; k < kStatRows; ++k) {  // row after row, in memory order (the prefetcher's)
+    acc[k] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < c; j += 16) acc[k] = _mm512_add_ps(acc[k], _mm512_loadu_ps(x + k * c + j));
+  }
+  float mu[kStatRows];
+  for (int k = 0; k < kStatRows; ++k) {
+    _mm512_store_ps(lane[k], acc[k]);
+    mu[k] = 0.0f;
+  }
+  for (int l = 0; l < 16; ++l) {
+    for (int k = 0; k < kStatRows; ++k) mu[k] += lane[k][l];
+  }
+  __m512 mu16[kStatRows];
+  for (int k = 0; k < kStatRows; ++k) {
+    mu[k] *= inv_c;
+    mu16[k] = _mm512_set1_ps(mu[k]);
+    acc[k] = _mm512_setzero_ps();
+  }
+  for (int k = 0; k < kStatRows; ++k) {
+    for (int64_t j = 0; j < c; j += 16) {
+      const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + k * c + j), mu16[k]);
+      acc[k] = _mm512_fmadd_ps(d, d, acc[k]);
+    }
+  }
+  float v[kStatRows];
+  for (int k = 0; k < kStatRows; ++k) {
+    _mm512_store_ps(lane[k], acc[k]);
+    v[k] = 0.0f;
+  }
+  for (int l = 0; l < 16; ++l) {
+    for (int k = 0; k < kStatRows; ++k) v[k] += lane[k][l];
+  }
+  for (int k = 0; k < kStatRows; ++k) {
+    mean[k] = mu[k];
+    rstd[k] = 1.0f / __builtin_sqrtf(__builtin_fmaf(v[k], inv_c, eps));
+  }
+}
+#endif
+
 // Each row's stats, then write_row(r, xr, mu, rs) writes its output.
 template <typename WriteRow>
 inline void layer_norm_rows(const float* x, float* mean, float* rstd, int64_t rows, int64_t c, float eps,
                             const WriteRow& write_row) {
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+#if defined(__AVX512F__)
+  if (c > 0 && c % 16 == 0) {
+    for (; r + kStatRows <= rows; r += kStatRows) {
+      layer_norm_stats_rows(x + r * c, c, eps, mean + r, rstd + r);
+      for (int64_t k = r; k < r + kStatRows; ++k) write_row(k, x + k * c, mean[k], rstd[k]);
+    }
+  }
+#endif
+  for (; r < rows; ++r) {
     const float* xr = x + r * c;
     layer_norm_stats(xr, c, eps, mean + r, rstd + r);
     write_row(r, xr, mean[r], rstd[r]);
@@ -293,14 +354,66 @@ void layer_norm_forward_bf16(const float* x, const float* w, const float* b, uin
   });
 }
 
-// dxhat = g * w; dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
+// dxhat = g * w; dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)): one row's dx from
+// a = mean(dxhat) and bb = mean(dxhat * xhat).
+inline void layer_norm_backward_row(const float* __restrict xr, const float* __restrict w, const float* __restrict gr,
+                                    float mu, float rs, float a, float bb, float* __restrict gxr, int64_t c) {
+#pragma omp simd
+  for (int64_t j = 0; j < c; ++j) {
+    const float xhat = (xr[j] - mu) * rs;
+    gxr[j] = rs * (gr[j] * w[j] - a - xhat * bb);
+  }
+}
+
 void layer_norm_backward(const float* x, const float* w, const float* g, const float* mean, const float* rstd,
                          float* gx, float* gw, float* gb, int64_t rows, int64_t c) {
   const float inv_c = 1.0f / static_cast<float>(c);
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+#if defined(__AVX512F__)
+  // kGradRows rows at a time where c is a multiple of 16, the same bits as the loop below: each
+  // row's lanes summed as there, the sums of the lanes left for the rows together (as
+  // layer_norm_stats_rows does).
+  constexpr int kGradRows = 2;
+  if (c > 0 && c % 16 == 0) {
+    for (; r + kGradRows <= rows; r += kGradRows) {
+      __m512 s1[kGradRows], s2[kGradRows];
+      for (int k = 0; k < kGradRows; ++k) {  // row after row, in memory order
+        s1[k] = s2[k] = _mm512_setzero_ps();
+        const __m512 mu16 = _mm512_set1_ps(mean[r + k]), rs16 = _mm512_set1_ps(rstd[r + k]);
+        for (int64_t j = 0; j < c; j += 16) {
+          const int64_t at = (r + k) * c + j;
+          const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + at), mu16), rs16);
+          const __m512 g16 = _mm512_loadu_ps(g + at);
+          const __m512 dxhat = _mm512_mul_ps(g16, _mm512_loadu_ps(w + j));
+          s1[k] = _mm512_add_ps(s1[k], dxhat);
+          s2[k] = _mm512_fmadd_ps(xhat, dxhat, s2[k]);
+          _mm512_storeu_ps(gw + j, _mm512_fmadd_ps(xhat, g16, _mm512_loadu_ps(gw + j)));
+          _mm512_storeu_ps(gb + j, _mm512_add_ps(_mm512_loadu_ps(gb + j), g16));
+        }
+      }
+      alignas(64) float l1[kGradRows][16], l2[kGradRows][16];
+      float a[kGradRows], bb[kGradRows];
+      for (int k = 0; k < kGradRows; ++k) {
+        _mm512_store_ps(l1[k], s1[k]);
+        _mm512_store_ps(l2[k], s2[k]);
+        a[k] = bb[k] = 0.0f;
+      }
+      for (int l = 0; l < 16; ++l) {
+        for (int k = 0; k < kGradRows; ++k) {
+          a[k] += l1[k][l];
+          bb[k] += l2[k][l];
+        }
+      }
+      for (int k = 0; k < kGradRows; ++k) {
+        const int64_t at = (r + k) * c;
+        layer_norm_backward_row(x + at, w, g + at, mean[r + k], rstd[r + k], a[k] * inv_c, bb[k] * inv_c, gx + at, c);
+      }
+    }
+  }
+#endif
+  for (; r < rows; ++r) {
     const float* __restrict xr = x + r * c;
     const float* __restrict gr = g + r * c;
-    float* __restrict gxr = gx + r * c;
     const float mu = mean[r], rs = rstd[r];
     float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
 #pragma omp simd reduction(+ : sum_dxhat, sum_dxhat_xhat)
@@ -312,12 +425,7 @@ void layer_norm_backward(const float* x, const float* w, const float* g, const f
       gw[j] += gr[j] * xhat;
       gb[j] += gr[j];
     }
-    const float a = sum_dxhat * inv_c, bb = sum_dxhat_xhat * inv_c;
-#pragma omp simd
-    for (int64_t j = 0; j < c; ++j) {
-      const float xhat = (xr[j] - mu) * rs;
-      gxr[j] = rs * (gr[j] * w[j] - a - xhat * bb);
-    }
+    layer_norm_backward_row(xr, w, gr, mu, rs, sum_dxhat * inv_c, sum_dxhat_xhat * inv_c, gx + r * c, c);
   }
 }
 
