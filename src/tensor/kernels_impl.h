@@ -263,22 +263,28 @@ inline void layer_norm_stats(const float* __restrict xr, int64_t c, float eps, f
 // left the core waiting, for all the rows together.
 constexpr int kStatRows = 8;
 
+// sums[k] = 0 + lane 0 + lane 1 + ... + lane 15 of acc[k], for Rows rows, their adds interleaved.
+template <int Rows>
+inline void sums_of_lanes(const __m512 (&acc)[Rows], float* sums) {
+  alignas(64) float lane[Rows][16];
+  for (int k = 0; k < Rows; ++k) {
+    _mm512_store_ps(lane[k], acc[k]);
+    sums[k] = 0.0f;
+  }
+  for (int l = 0; l < 16; ++l) {
+    for (int k = 0; k < Rows; ++k) sums[k] += lane[k][l];
+  }
+}
+
 inline void layer_norm_stats_rows(const float* x, int64_t c, float eps, float* mean, float* rstd) {
   const float inv_c = 1.0f / static_cast<float>(c);
-  alignas(64) float lane[kStatRows][16];
   __m512 acc[kStatRows];
   for (int k = 0; k < kStatRows; ++k) {  // row after row, in memory order (the prefetcher's)
     acc[k] = _mm512_setzero_ps();
     for (int64_t j = 0; j < c; j += 16) acc[k] = _mm512_add_ps(acc[k], _mm512_loadu_ps(x + k * c + j));
   }
   float mu[kStatRows];
-  for (int k = 0; k < kStatRows; ++k) {
-    _mm512_store_ps(lane[k], acc[k]);
-    mu[k] = 0.0f;
-  }
-  for (int l = 0; l < 16; ++l) {
-    for (int k = 0; k < kStatRows; ++k) mu[k] += lane[k][l];
-  }
+  sums_of_lanes(acc, mu);
   __m512 mu16[kStatRows];
   for (int k = 0; k < kStatRows; ++k) {
     mu[k] *= inv_c;
@@ -292,13 +298,7 @@ inline void layer_norm_stats_rows(const float* x, int64_t c, float eps, float* m
     }
   }
   float v[kStatRows];
-  for (int k = 0; k < kStatRows; ++k) {
-    _mm512_store_ps(lane[k], acc[k]);
-    v[k] = 0.0f;
-  }
-  for (int l = 0; l < 16; ++l) {
-    for (int k = 0; k < kStatRows; ++k) v[k] += lane[k][l];
-  }
+  sums_of_lanes(acc, v);
   for (int k = 0; k < kStatRows; ++k) {
     mean[k] = mu[k];
     rstd[k] = 1.0f / __builtin_sqrtf(__builtin_fmaf(v[k], inv_c, eps));
@@ -391,19 +391,9 @@ void layer_norm_backward(const float* x, const float* w, const float* g, const f
           _mm512_storeu_ps(gb + j, _mm512_add_ps(_mm512_loadu_ps(gb + j), g16));
         }
       }
-      alignas(64) float l1[kGradRows][16], l2[kGradRows][16];
       float a[kGradRows], bb[kGradRows];
-      for (int k = 0; k < kGradRows; ++k) {
-        _mm512_store_ps(l1[k], s1[k]);
-        _mm512_store_ps(l2[k], s2[k]);
-        a[k] = bb[k] = 0.0f;
-      }
-      for (int l = 0; l < 16; ++l) {
-        for (int k = 0; k < kGradRows; ++k) {
-          a[k] += l1[k][l];
-          bb[k] += l2[k][l];
-        }
-      }
+      sums_of_lanes(s1, a);
+      sums_of_lanes(s2, bb);
       for (int k = 0; k < kGradRows; ++k) {
         const int64_t at = (r + k) * c;
         layer_norm_backward_row(x + at, w, g + at, mean[r + k], rstd[r + k], a[k] * inv_c, bb[k] * inv_c, gx + at, c);
