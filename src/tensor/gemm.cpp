@@ -322,6 +322,12 @@ void set_gemm_backend(GemmBackend backend) {
 
 namespace {
 
+// C += R where a residual R (M, N) was given and the product could not add it itself: the same sum
+// as R + C.
+void add_residual(const float* residual, int64_t count, float* c) {
+  if (residual != nullptr) kernels::table().add_into(c, residual, count);
+}
+
 // The checks of sgemm's arguments; false when nothing is left to multiply (M, N or K is 0: then
 // C is already beta C).
 bool product_to_run(const char* op, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, int64_t lda,
@@ -383,11 +389,6 @@ void fill_rows(const float* bias, int64_t m, int64_t n, float* c) {
   for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * n, bias, static_cast<size_t>(n) * sizeof(float));
 }
 
-void add_residual(const float* residual, int64_t count, float* c) {
-  if (residual == nullptr) return;
-  for (int64_t i = 0; i < count; ++i) c[i] = residual[i] + c[i];
-}
-
 int apply_omp_threads() {
 #if DTRAIN_HAVE_ONEDNN
   const int want = g_threads.load(std::memory_order_relaxed);
@@ -436,7 +437,7 @@ void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, con
   if (k == 0 || matmul_precision() == Precision::bf16) {
     detail::fill_rows(bias, m, n, c);
     sgemm_on(GemmBackend::automatic, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
-    detail::add_residual(residual, m * n, c);
+    add_residual(residual, m * n, c);
     return;
   }
   if (!product_to_run("sgemm_bias", trans_a, trans_b, m, n, k, lda, ldb, 0.0f, c, n)) return;
@@ -452,7 +453,7 @@ void sgemm_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, con
 #endif
   detail::fill_rows(bias, m, n, c);
   run_library(library, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
-  detail::add_residual(residual, m * n, c);
+  add_residual(residual, m * n, c);
 }
 
 namespace {
@@ -489,7 +490,7 @@ void gemm_bf16_bias(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
   if (onednn_bf16_dense("gemm_bf16_bias", trans_a, trans_b, m, n, k, a, lda, b, ldb, bias, c, false, residual)) return;
   detail::fill_rows(bias, m, n, c);
   gemm_bf16(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, n);
-  detail::add_residual(residual, m * n, c);
+  add_residual(residual, m * n, c);
 }
 
 void gemm_bf16_to_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,

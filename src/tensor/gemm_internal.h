@@ -23,9 +23,6 @@ GemmBackend library_for(GemmBackend library, bool trans_a, bool trans_b, int64_t
                         const float* a, int64_t lda, const float* b, int64_t ldb);
 /// Every one of the M rows of C (M, N), dense, set to the N values of `bias`.
 void fill_rows(const float* bias, int64_t m, int64_t n, float* c);
-/// c[i] = residual[i] + c[i] for i < count (nothing when residual is null): a residual added
-/// after a product that could not add it itself.
-void add_residual(const float* residual, int64_t count, float* c);
 
 /// Gives the calling thread's OpenMP runtime (oneDNN's) the count set_num_threads set, if any;
 /// returns the count oneDNN will use on this thread.

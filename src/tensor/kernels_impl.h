@@ -147,25 +147,26 @@ inline __m512 load16(const float* p, __mmask16 m) {
 // added into sums unless it is null.
 template <typename Store, typename Value>
 inline void bf16_row(Store& store, uint16_t* dst, int64_t n, float* sums, const Value& value) {
+  const auto add_to_sums = [sums](int64_t i, __mmask16 m, __m512 v) {
+    if (sums != nullptr) _mm512_mask_storeu_ps(sums + i, m, _mm512_add_ps(load16(sums + i, m), v));
+  };
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     const __m512 v0 = value(i, __mmask16(0xffff)), v1 = value(i + 16, __mmask16(0xffff));
     store.pair(dst + i, v0, v1);
-    if (sums != nullptr) {
-      _mm512_storeu_ps(sums + i, _mm512_add_ps(_mm512_loadu_ps(sums + i), v0));
-      _mm512_storeu_ps(sums + i + 16, _mm512_add_ps(_mm512_loadu_ps(sums + i + 16), v1));
-    }
+    add_to_sums(i, 0xffff, v0);
+    add_to_sums(i + 16, 0xffff, v1);
   }
   for (; i + 16 <= n; i += 16) {
     const __m512 v = value(i, __mmask16(0xffff));
     store(dst + i, 0xffff, v);
-    if (sums != nullptr) _mm512_storeu_ps(sums + i, _mm512_add_ps(_mm512_loadu_ps(sums + i), v));
+    add_to_sums(i, 0xffff, v);
   }
   if (i < n) {
     const __mmask16 m = lanes(n - i);
     const __m512 v = value(i, m);
     store(dst + i, m, v);
-    if (sums != nullptr) _mm512_mask_storeu_ps(sums + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sums + i), v));
+    add_to_sums(i, m, v);
   }
 }
 

@@ -305,9 +305,8 @@ void linear_f32(const LinearProduct& p, float* out, const float* residual = null
   } else {
     gemm(false, true, p.m, p.out_f, p.in, 1.0f, p.x.data(), p.w.data(), 0.0f, out);
   }
-  if (residual != nullptr) {  // no bias: the product's C, then the residual added as add would
-    for (int64_t i = 0, n = p.m * p.out_f; i < n; ++i) out[i] = residual[i] + out[i];
-  }
+  // No bias: the product's C, then the residual added as add would (the same sum either way round).
+  if (residual != nullptr) kernels::table().add_into(out, residual, p.m * p.out_f);
 }
 
 Shape linear_shape(const Tensor& x_in, int64_t out_f) {
