@@ -264,13 +264,16 @@ void pack_pairs_transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t k, 
 
 namespace {
 
-// Horizontal max and sum through memory: GCC 12's _mm512_reduce_* trip -Wmaybe-uninitialized.
+// Horizontal max in four halvings (max is exact, so any order gives its bits; a NaN lane gives a
+// NaN row either way, through the exp), and the sum through memory in lane order (its bits are the
+// order). GCC 12's _mm512_reduce_* trip -Wmaybe-uninitialized.
 inline float max_of(__m512 v) {
-  alignas(64) float l[16];
-  _mm512_store_ps(l, v);
-  float m = l[0];
-  for (float x : l) m = x > m ? x : m;
-  return m;
+  constexpr __mmask16 all = 0xffff;
+  v = _mm512_mask_max_ps(v, all, v, _mm512_mask_shuffle_f32x4(v, all, v, v, 0x4e));  // halves swapped
+  v = _mm512_mask_max_ps(v, all, v, _mm512_mask_shuffle_f32x4(v, all, v, v, 0xb1));  // quarters swapped
+  v = _mm512_mask_max_ps(v, all, v, _mm512_mask_permute_ps(v, all, v, 0x4e));        // pairs of lanes swapped
+  v = _mm512_mask_max_ps(v, all, v, _mm512_mask_permute_ps(v, all, v, 0xb1));        // lanes swapped
+  return _mm512_cvtss_f32(v);
 }
 
 inline float sum_of(__m512 v) {
@@ -318,10 +321,17 @@ void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t ze
       stats[2 * (i - i0) + 1] = inv_sum;
     }
     const __m512 inv = _mm512_set1_ps(inv_sum);
+    if (t != nullptr) {  // P only rounded into the tile: its f32 row is not read again
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
+        store_both(nullptr, t, j, v, 0, lanes(n - j));
+      }
+      continue;
+    }
     const int64_t end = zero_to > n ? zero_to : n;
     for (int64_t j = 0; j < end; j += 16) {  // P = e / sum, zeros past the diagonal
       const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
-      store_both(row, t, j, v, lanes(zero_to - j), lanes(n - j));
+      store_both(row, nullptr, j, v, lanes(zero_to - j), 0);
     }
   }
 }

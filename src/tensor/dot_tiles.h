@@ -41,8 +41,9 @@ void bf16_dot_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t*
                    const uint16_t* b, int64_t ldb, float* c, int64_t ldc);
 
 /// The causal softmax of the rows [i0, i0 + r) of the scores at s (row stride ld; row i's keys
-/// [0, i + 1)): P written back in f32 with zeros up to column zero_to, and (where tile is not
-/// null) rounded to bf16 into tile (r, i0 + r) with zeros past the diagonal, ready to be A of P V.
+/// [0, i + 1)): P written back in f32 with zeros up to column zero_to; or, where tile is not null,
+/// rounded to bf16 into tile (r, i0 + r) with zeros past the diagonal, ready to be A of P V, and
+/// the f32 rows then hold the unnormalised exponentials (the tile is all a caller reads).
 /// Where stats is not null, each row's shift (its maximum) and 1 / sum go to stats[2 (i - i0)]
 /// and stats[2 (i - i0) + 1]: what causal_softmax_recompute_tile needs to give P again.
 void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile, float* stats);
