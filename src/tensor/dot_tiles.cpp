@@ -297,41 +297,61 @@ inline void store_both(float* row, uint16_t* t, int64_t j, __m512 v, __mmask16 k
 
 void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t zero_to, uint16_t* tile, float* stats) {
   const int64_t n = i0 + r;
-  for (int64_t i = i0; i < n; ++i) {
-    float* row = s + (i - i0) * ld;
-    uint16_t* t = tile != nullptr ? tile + (i - i0) * n : nullptr;
-    const int64_t len = i + 1;
-    __m512 mx = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = lanes(len - j);
-      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, row + j));
-    }
-    const float top = max_of(mx);
-    const __m512 shift = _mm512_set1_ps(top);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = lanes(len - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift)));
-      _mm512_mask_storeu_ps(row + j, m, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const float inv_sum = 1.0f / sum_of(sum);
-    if (stats != nullptr) {
-      stats[2 * (i - i0)] = top;
-      stats[2 * (i - i0) + 1] = inv_sum;
-    }
-    const __m512 inv = _mm512_set1_ps(inv_sum);
-    if (t != nullptr) {  // P only rounded into the tile: its f32 row is not read again
-      for (int64_t j = 0; j < n; j += 16) {
-        const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
-        store_both(nullptr, t, j, v, 0, lanes(n - j));
+  constexpr int64_t kRows = 8;  // rows whose sums are taken together
+  for (int64_t g0 = i0; g0 < n; g0 += kRows) {
+    const int64_t g1 = n - g0 < kRows ? n : g0 + kRows;
+    // Each row's shift and exponentials (into the row), and their sum lane by lane.
+    alignas(64) float lane_sums[kRows][16];
+    float tops[kRows];
+    for (int64_t i = g0; i < g1; ++i) {
+      float* row = s + (i - i0) * ld;
+      const int64_t len = i + 1;
+      __m512 mx = _mm512_set1_ps(-__builtin_inff());
+      for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 m = lanes(len - j);
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, row + j));
       }
-      continue;
+      const float top = max_of(mx);
+      const __m512 shift = _mm512_set1_ps(top);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 m = lanes(len - j);
+        const __m512 e = _mm512_maskz_mov_ps(m, simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift)));
+        _mm512_mask_storeu_ps(row + j, m, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      tops[i - g0] = top;
+      _mm512_store_ps(lane_sums[i - g0], sum);
     }
-    const int64_t end = zero_to > n ? zero_to : n;
-    for (int64_t j = 0; j < end; j += 16) {  // P = e / sum, zeros past the diagonal
-      const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
-      store_both(row, nullptr, j, v, lanes(zero_to - j), 0);
+    for (int64_t i = g1 - g0; i < kRows; ++i) _mm512_store_ps(lane_sums[i], _mm512_setzero_ps());
+    // The rows' sums of lanes, each in lane order from zero (sum_of's bits), the rows side by side
+    // so that their chains of additions overlap instead of each waiting for the one before.
+    float totals[kRows] = {};
+    for (int64_t k = 0; k < 16; ++k) {
+      for (int64_t i = 0; i < kRows; ++i) totals[i] += lane_sums[i][k];
+    }
+    for (int64_t i = g0; i < g1; ++i) {
+      float* row = s + (i - i0) * ld;
+      uint16_t* t = tile != nullptr ? tile + (i - i0) * n : nullptr;
+      const int64_t len = i + 1;
+      const float inv_sum = 1.0f / totals[i - g0];
+      if (stats != nullptr) {
+        stats[2 * (i - i0)] = tops[i - g0];
+        stats[2 * (i - i0) + 1] = inv_sum;
+      }
+      const __m512 inv = _mm512_set1_ps(inv_sum);
+      if (t != nullptr) {  // P only rounded into the tile: its f32 row is not read again
+        for (int64_t j = 0; j < n; j += 16) {
+          const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
+          store_both(nullptr, t, j, v, 0, lanes(n - j));
+        }
+        continue;
+      }
+      const int64_t end = zero_to > n ? zero_to : n;
+      for (int64_t j = 0; j < end; j += 16) {  // P = e / sum, zeros past the diagonal
+        const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
+        store_both(row, nullptr, j, v, lanes(zero_to - j), 0);
+      }
     }
   }
 }
