@@ -42,9 +42,8 @@ def start(binary, args, env_extra, metrics_dir, i, cpu=None):
 def finish(started):
     proc, cmd, metrics = started
     stdout, stderr = proc.communicate()
-    p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    if p.returncode != 0:
-        sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{stdout[-2000:]}\n{stderr[-3000:]}")
     with open(metrics) as f:
         rec = [json.loads(line) for line in f if line.strip()][-1]
     unit = "tokens_per_s" if "tokens_per_s" in rec else "samples_per_s"

@@ -340,17 +340,12 @@ void causal_softmax_tile(float* s, int64_t ld, int64_t i0, int64_t r, int64_t ze
         stats[2 * (i - i0) + 1] = inv_sum;
       }
       const __m512 inv = _mm512_set1_ps(inv_sum);
-      if (t != nullptr) {  // P only rounded into the tile: its f32 row is not read again
-        for (int64_t j = 0; j < n; j += 16) {
-          const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
-          store_both(nullptr, t, j, v, 0, lanes(n - j));
-        }
-        continue;
-      }
-      const int64_t end = zero_to > n ? zero_to : n;
-      for (int64_t j = 0; j < end; j += 16) {  // P = e / sum, zeros past the diagonal
+      // P = e / sum, zeros past the diagonal: into the tile where there is one (its f32 row is
+      // not read again), else into the f32 row up to zero_to.
+      const int64_t end = t != nullptr ? n : (zero_to > n ? zero_to : n);
+      for (int64_t j = 0; j < end; j += 16) {
         const __m512 v = _mm512_maskz_mul_ps(lanes(len - j), _mm512_maskz_loadu_ps(lanes(len - j), row + j), inv);
-        store_both(row, nullptr, j, v, lanes(zero_to - j), 0);
+        store_both(t != nullptr ? nullptr : row, t, j, v, lanes(zero_to - j), lanes(n - j));
       }
     }
   }
