@@ -393,6 +393,16 @@ TEST(DataParallel, SharedMemoryZeroOneEqualsTheCopyingPathBitwise) {
       ASSERT_FALSE(copying.shared);
       ASSERT_TRUE(shared.shared) << "world " << world << ": the one-host ZeRO-1 run did not share memory";
       ASSERT_TRUE(shared.shared_params) << "world " << world;
+      // The averaged pieces lie over the shared slots: the gradients take the slots only,
+      // world / (world + 1) of the copying path's slots and pieces.
+      for (int r = 0; r < world; ++r) {
+        const auto shared_grads = shared.memory[static_cast<size_t>(r)].grad_bytes;
+        const auto copying_grads = copying.memory[static_cast<size_t>(r)].grad_bytes;
+        EXPECT_GT(shared_grads, 0);
+        EXPECT_EQ(shared_grads * (world + 1), copying_grads * world)
+            << "world " << world << ", rank " << r << ": " << shared_grads << " gradient bytes shared, "
+            << copying_grads << " copying";
+      }
       for (int s = 0; s < copying.steps; ++s) {
         ASSERT_EQ(copying.per_step[static_cast<size_t>(s)][0], shared.per_step[static_cast<size_t>(s)][0])
             << "world " << world << ", bucket " << bucket << ", step " << s + 1;

@@ -556,7 +556,7 @@ MemoryReport DataParallel::memory(const optim::Optimizer& optimizer) const {
       m.grad_bytes += piece_bytes;
     } else {
       m.grad_bytes += static_cast<int64_t>(reducer.bucket_padded(b) * sizeof(float));
-      if (d.options.zero == 1) m.grad_bytes += piece_bytes;
+      if (d.options.zero == 1 && !reducer.pieces_in_slots()) m.grad_bytes += piece_bytes;
     }
   }
   for (const auto& [name, t] : optimizer.state())

@@ -214,6 +214,7 @@ size_t Reducer::bucket_of(size_t k) const { return impl_->where[impl_->checked_p
 bool Reducer::sharded() const { return impl_->options.zero > 0; }
 bool Reducer::shares_memory() const { return impl_->sync->shares_memory(); }
 bool Reducer::shares_values() const { return impl_->sync->shares_values(); }
+bool Reducer::pieces_in_slots() const { return impl_->sync->pieces_in_slots(); }
 
 BufferView Reducer::grad(size_t k) const {
   const Impl& d = *impl_;

@@ -89,6 +89,8 @@ class SyncStrategy {
   virtual void gather(std::vector<Bucket>& /*buckets*/) {}
   virtual bool shares_memory() const { return false; }
   virtual bool shares_values() const { return false; }
+  /// ZeRO: each piece_grad lies inside the gradient slots, not in memory of its own.
+  virtual bool pieces_in_slots() const { return false; }
   virtual std::vector<StateEntry> state(const std::vector<Bucket>& /*buckets*/) const { return {}; }
   virtual void load_state(std::vector<Bucket>& /*buckets*/, const std::vector<StateEntry>& /*state*/) {}
 

@@ -5,7 +5,8 @@
 // - SharedAllReduceSync (ZeRO 0): a bucket is averaged in place by all_reduce_shared: every rank
 //   reduces its slice straight from the ranks' slots and writes it into all of them.
 // - SharedZeroSync (ZeRO 1): the values are one copy for the host (rank 0's at the start), the
-//   reduce_scatter reads the peers' slots in place, and each rank updates its piece of the one
+//   reduce_scatter reads the peers' slots in place and writes each rank's averaged piece over
+//   its range of slot 0 or 1 (no memory of its own), and each rank updates its piece of the one
 //   copy, so gather() is a barrier.
 // - SharedZeroSync without shared gradients (ZeRO 3): the values are one copy for the host as for ZeRO 1 (the
 //   allocation is only that part), each rank's piece (`own`) is its slice of it, and whole
@@ -83,7 +84,17 @@ class SharedZeroSync : public ZeroSync {
         b.own = Floats(b.values, b.values.get() + rank * ctx_.piece_of(b));
       }
       if (rank == 0) copy_values_in(b, params);  // rank 0's values become the host's copy
-      b.piece_grad = zeroed_floats(ctx_.allocate, ctx_.piece_of(b));
+      if (shared_grads_) {
+        // The averaged piece goes over this rank's piece of slot 0 or 1 (its own as rank 0 or
+        // 1): no other rank reads that range, and the reduction reads slots 0 and 1 before it
+        // writes (reduce_scatter_shared). Nothing else writes it before the next backward, which
+        // starts after every rank's update (gather()).
+        const size_t into = rank <= 1 ? rank : 0;
+        b.piece_grad =
+            layout_.floats(layout_.grad_at(b.index) + into * layout_.stride + rank * ctx_.piece_of(b) * sizeof(float));
+      } else {
+        b.piece_grad = zeroed_floats(ctx_.allocate, ctx_.piece_of(b));
+      }
     }
     ctx_.group.barrier();  // rank 0's values are in place before anyone reads them
   }
@@ -100,6 +111,7 @@ class SharedZeroSync : public ZeroSync {
 
   bool shares_memory() const override { return true; }
   bool shares_values() const override { return true; }
+  bool pieces_in_slots() const override { return shared_grads_; }
 
  private:
   SharedLayout layout_;

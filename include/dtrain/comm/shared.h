@@ -44,7 +44,8 @@ SharedMemory allocate_shared(Group& group, size_t bytes);
 /// `memory` at byte `offset + q * stride`; each rank reduces its block straight from every
 /// input, in rank order (the same bits as reduce_scatter). The inputs must be written before
 /// the call and stay untouched until its Work completed, which it does only after every rank
-/// has read every input.
+/// has read every input. `recv` may be this rank's block of rank 0's or rank 1's input (the
+/// reduction reads those two before it writes), not of any other.
 Work reduce_scatter_shared_async(Group& group, const SharedMemory& memory, size_t offset, size_t stride, void* recv,
                                  size_t recv_count, DataType dtype, ReduceOp op);
 

@@ -143,6 +143,9 @@ class Reducer {
   bool shares_memory() const;
   /// The values too are one copy in that memory (ZeRO 1): each rank writes only its piece.
   bool shares_values() const;
+  /// ZeRO: the averaged pieces (piece_grad) are written over the gradient slots, using no
+  /// memory of their own (ZeRO 1 on shared memory).
+  bool pieces_in_slots() const;
 
   /// Parameter k's gradient slot in its bucket. ZeRO 2 frees the buckets between steps: then
   /// an empty view.
