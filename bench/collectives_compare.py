@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+import placement  # bench/, next to this script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -138,36 +140,13 @@ def build_mpi(a):
 
 
 def build_probe(a):
-    """bench/core_latency.c (the core-to-core round trip measured around every sweep), built with
-    --cc into bench/results/; None when it cannot be built (the runs then go without it)."""
-    exe = os.path.join(HERE, "results", "core_latency")
-    src = os.path.join(HERE, "core_latency.c")
-    if os.path.exists(exe) and os.path.getmtime(exe) >= os.path.getmtime(src):
-        return exe
-    os.makedirs(os.path.dirname(exe), exist_ok=True)
-    cmd = [a.cc, "-O2", "-pthread", "-o", exe, src]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"WARNING: {' '.join(cmd)}: {e}; running without the core-to-core probe", file=sys.stderr)
-        return None
-    if r.returncode != 0:
-        print(f"WARNING: {' '.join(cmd)} failed; running without the core-to-core probe\n{r.stderr}",
-              file=sys.stderr)
-        return None
-    log(a, f"built {os.path.relpath(exe, ROOT)}")
-    return exe
+    """The core-to-core probe (placement.py), built with --cc; None without it."""
+    return placement.build_probe(a.cc, lambda msg: log(a, msg))
 
 
 def probe(a):
     """The core-to-core round trip in ns now (None without the probe or when it fails)."""
-    if not a.probe_exe:
-        return None
-    try:
-        r = subprocess.run([a.probe_exe], capture_output=True, text=True, timeout=30)
-        return json.loads(r.stdout).get("round_trip_ns") if r.returncode == 0 else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
+    return placement.probe(a.probe_exe)
 
 
 def mpi_mca(a):
@@ -446,7 +425,7 @@ def print_placement(runs, tools):
     fast = min(seen)
     parts = []
     for t in tools:
-        far = sum(1 for rec in trips[t] if rec and max(rec) > 2 * fast)
+        far = sum(1 for rec in trips[t] if placement.is_far(rec, fast))
         parts.append(f"{t} {far}/{len(trips[t])} [" + " ".join("/".join(f"{x:.0f}" for x in rec)
                                                              for rec in trips[t]) + "]")
     print(f"core-to-core round trip before/after each run, ns (bench/core_latency.c; runs over 2x the "

@@ -14,7 +14,9 @@ order reversed on odd repeats, so background load hits both tools alike.
 
 Scaling efficiency E(2) = T(2) / (2 T(1)) (medians; per-repeat range in brackets). The bucket
 sweep runs dtrain at world 2 with several --bucket-mb and reports its throughput, E(2) and the
-overlap of its metrics, overlap = (T_compute + T_comm - T_step) / T_comm.
+overlap of its metrics, overlap = (T_compute + T_comm - T_step) / T_comm. Around every multi-rank run
+bench/core_latency.c measures the core-to-core round trip (placement.py: where the host runs the
+two vCPUs), and E(n) is also given separately for the runs that met a near and a far placement.
 See bench/README.md.
 """
 import argparse
@@ -28,6 +30,7 @@ import tempfile
 import time
 
 import compare_torch  # bench/, next to this script
+import placement
 from compare_torch import summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -337,6 +340,7 @@ def main():
                    help="another dtrain binary (the build before a change): its main runs join every repeat "
                         "and a table of new/old ratios is printed")
     p.add_argument("--python", default="/usr/bin/python3", help="interpreter with PyTorch")
+    p.add_argument("--cc", default="cc", help="C compiler for the core-to-core probe (bench/core_latency.c)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "ddp_compare.json"))
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report", metavar="JSON", default=None,
@@ -387,6 +391,8 @@ def main():
     runs = {}  # key "job/tool/world/bucket" -> list over repeats (None for a failed run)
     errors = []
     t_start = time.time()
+    # Multi-rank runs exchange data between the CPUs: each records where the host ran them.
+    probe_exe = None if saved else placement.build_probe(a.cc, (lambda msg: print(msg, file=sys.stderr)) if log else None)
     if saved:
         runs, errors = saved["runs"], saved["errors"]
     for r in range(a.repeats if not saved else 0):
@@ -398,11 +404,14 @@ def main():
         for job, tool, world, bucket in order:
             key = f"{job}/{tool}/{world}/{bucket:g}" if tool != "torch" and world > 1 else f"{job}/{tool}/{world}"
             try:
+                before = placement.probe(probe_exe) if world > 1 else None
                 if tool == "torch":
                     rec = run_torch(job, a, world, seed, log)
                 else:
                     rec = run_dtrain(job, a, world, seed, bucket, log, a.dtrain_ref if tool == "dtrain-ref" else None)
                 rec["repeat"] = r
+                if world > 1:
+                    rec["core_round_trip_ns"] = [x for x in (before, placement.probe(probe_exe)) if x is not None]
             except RunError as e:
                 rec = None
                 errors.append({"repeat": r, "run": key, "error": str(e)})
@@ -484,6 +493,38 @@ def main():
           f"DDP bucket_cap_mb {a.torch_bucket_mb:g}")
     print_table(["job", "world", "metric", "dtrain median [min-max]", "torch median [min-max]", "dtrain/torch",
                  "ratio per repeat", "bg CPUs d / t"], rows, left=3)
+
+    # ------------------------------------------------------------------ by placement
+    trips = [x for recs in runs.values() for rec in recs if rec for x in rec.get("core_round_trip_ns", [])]
+    if trips and wmax > 1:
+        fastest = min(trips)
+        print()
+        print(f"E(n) by placement (bench/core_latency.c round trip before and after each multi-rank run; near: both "
+              f"within 2x the fastest, {fastest:.0f} ns; far: the host ran the CPUs far apart for some of the run); "
+              f"against the median of every world-1 run")
+        prow = []
+        for j in jobs:
+            for w in worlds:
+                if w == 1:
+                    continue
+                for tool, k_n, k_1 in (("dtrain", dkey(j, w), dkey(j, 1)), ("torch", tkey(j, w), tkey(j, 1))):
+                    one = summary(rates(k_1))
+                    cells = {}
+                    for where in ("near", "far"):
+                        sel = [rec["rate_after_warmup"] for rec in runs.get(k_n, []) if rec and rec.get("core_round_trip_ns")
+                               and placement.is_far(rec["core_round_trip_ns"], fastest) == (where == "far")
+                               and rec.get("rate_after_warmup")]
+                        rt = [max(rec["core_round_trip_ns"]) for rec in runs.get(k_n, []) if rec
+                              and rec.get("core_round_trip_ns")
+                              and placement.is_far(rec["core_round_trip_ns"], fastest) == (where == "far")]
+                        e = statistics.median(sel) / (w * one["median"]) if sel and one else None
+                        cells[where] = {"E": e, "runs": len(sel), "round_trip_ns": rt}
+                    results[j].setdefault(f"E{w}_by_placement", {})[tool] = cells
+                    prow.append([j, f"E({w})", tool] + [
+                        f"{num(cells[x]['E'], 3)} ({cells[x]['runs']} runs"
+                        + (f", {statistics.median(cells[x]['round_trip_ns']):.0f} ns)" if cells[x]["round_trip_ns"] else ")")
+                        for x in ("near", "far")])
+        print_table(["job", "E", "tool", "near", "far"], prow, left=3)
 
     # ------------------------------------------------------- this build against --dtrain-ref
     if a.dtrain_ref:
