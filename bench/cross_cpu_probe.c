@@ -7,7 +7,8 @@
  * Two threads, pinned to CPUs A and B (default: the first two this process may use), and a
  * buffer of N MiB (default 4). Each figure is the median over R rounds (default 30) of GB/s,
  * printed as one JSON object:
- *   round_trip_ns        one cache line passed A -> B -> A (bench/core_latency.c's figure)
+ *   round_trip_ns        one cache line passed A -> B -> A, the median of 5 batches of 20000
+ *                        after one untimed batch (as bench/core_latency.c measures it)
  *   read_own             A reads the buffer it wrote itself (its cache)
  *   read_remote          A reads the buffer B has just written
  *   rmw_own              A adds 1 to every float of a buffer only it touches
@@ -50,7 +51,19 @@ static void pin(int cpu) {
   cpu_set_t s;
   CPU_ZERO(&s);
   CPU_SET(cpu, &s);
-  sched_setaffinity(0, sizeof s, &s);
+  if (sched_setaffinity(0, sizeof s, &s) != 0) {
+    fprintf(stderr, "cannot run on CPU %d (sched_setaffinity)\n", cpu);
+    exit(1);
+  }
+}
+
+static void* checked_alloc(size_t bytes) {
+  void* p = aligned_alloc(64, bytes);
+  if (p == NULL) {
+    fprintf(stderr, "out of memory: %zu bytes\n", bytes);
+    exit(1);
+  }
+  return p;
 }
 
 static void wait_turn(int t) {
@@ -129,7 +142,7 @@ static struct adam_arrays adam_alloc(void) {
   struct adam_arrays a;
   float** all[4] = {&a.p, &a.m, &a.v, &a.g};
   for (int k = 0; k < 4; ++k) {
-    *all[k] = aligned_alloc(64, floats * sizeof(float));
+    *all[k] = checked_alloc(floats * sizeof(float));
     fill(*all[k], floats, 0.5f);
   }
   return a;
@@ -137,17 +150,19 @@ static struct adam_arrays adam_alloc(void) {
 
 // The protocol: B acts on even turns 2k (for round k), A on odd ones; each step hands over.
 enum { kPingPong, kRemote, kAfterRead, kAfterReadStream, kAfterReadFlush, kAdamBoth, kPhases };
+enum { kTrips = 20000, kTripBatches = 6 };  // the first batch untimed
 static int phase;
 static double b_seconds[256];
+static _Atomic int b_ready;
 
 static void* thread_b(void* arg) {
   (void)arg;
   pin(cpu_b);
-  struct adam_arrays mine = {0};
+  struct adam_arrays mine = adam_alloc();
+  atomic_store(&b_ready, 1);
   for (int ph = 0; ph < kPhases; ++ph) {
-    if (ph == kAdamBoth) mine = adam_alloc();
     if (ph == kPingPong) {
-      for (long i = 0; i < 20000; ++i) {
+      for (long i = 0; i < (long)kTrips * kTripBatches; ++i) {
         while (atomic_load(&line) != 2 * i + 1) __builtin_ia32_pause();
         atomic_store(&line, 2 * i + 2);
       }
@@ -216,12 +231,24 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
-  buf = aligned_alloc(64, floats * sizeof(float));
-  junk = aligned_alloc(64, (size_t)64 << 20);
+  if (cpu_a == cpu_b || cpu_a < 0 || cpu_b < 0 || cpu_a >= CPU_SETSIZE || cpu_b >= CPU_SETSIZE) {
+    fprintf(stderr, "--cpus A,B: two different CPUs\n");
+    return 2;
+  }
+  buf = checked_alloc(floats * sizeof(float));
+  junk = checked_alloc((size_t)64 << 20);
   fill(buf, floats, 0.0f);
   fill(junk, (size_t)16 << 20, 1.0f);
   const double bytes = (double)floats * sizeof(float);
+  // B starts before A pins itself (B would else begin on A's CPU) and is ready on its own
+  // CPU, its arrays allocated, before anything is timed.
+  pthread_t tb;
+  if (pthread_create(&tb, NULL, thread_b, NULL) != 0) {
+    fprintf(stderr, "pthread_create failed\n");
+    return 1;
+  }
   pin(cpu_a);
+  while (!atomic_load(&b_ready)) __builtin_ia32_pause();
 
   // A alone first: its own buffer, nobody else touching it.
   double own_read[256], own_rmw[256], adam_alone[256];
@@ -241,21 +268,20 @@ int main(int argc, char** argv) {
     adam_alone[r] = 1e3 * (now() - t0);
   }
 
-  pthread_t tb;
-  if (pthread_create(&tb, NULL, thread_b, NULL) != 0) {
-    fprintf(stderr, "pthread_create failed\n");
-    return 1;
-  }
   double trip = 0;
   double out[kPhases][256], remote_flush[256];
   for (phase = 0; phase < kPhases; ++phase) {
     if (phase == kPingPong) {
-      const double t0 = now();
-      for (long i = 0; i < 20000; ++i) {
-        atomic_store(&line, 2 * i + 1);
-        while (atomic_load(&line) != 2 * i + 2) __builtin_ia32_pause();
+      double batch[kTripBatches];
+      for (int k = 0; k < kTripBatches; ++k) {
+        const double t0 = now();
+        for (long i = (long)k * kTrips; i < (long)(k + 1) * kTrips; ++i) {
+          atomic_store(&line, 2 * i + 1);
+          while (atomic_load(&line) != 2 * i + 2) __builtin_ia32_pause();
+        }
+        batch[k] = (now() - t0) / kTrips * 1e9;
       }
-      trip = (now() - t0) / 20000 * 1e9;
+      trip = median(batch + 1, kTripBatches - 1);
       continue;
     }
     for (int r = 0; r < reps; ++r) {

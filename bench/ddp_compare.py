@@ -499,9 +499,9 @@ def main():
     if trips and wmax > 1:
         fastest = min(trips)
         print()
-        print(f"E(n) by placement (bench/core_latency.c round trip before and after each multi-rank run; near: both "
-              f"within 2x the fastest, {fastest:.0f} ns; far: the host ran the CPUs far apart for some of the run); "
-              f"against the median of every world-1 run")
+        print(f"E(n) by placement (bench/core_latency.c round trip between the first two CPUs before and after each "
+              f"multi-rank run; near: both within 2x {min(fastest, placement.NEAR_NS):.0f} ns; far: the host ran the "
+              f"CPUs far apart for some of the run); against the median of every world-1 run")
         prow = []
         for j in jobs:
             for w in worlds:
@@ -516,7 +516,8 @@ def main():
                                and rec.get("rate_after_warmup")]
                         rt = [max(rec["core_round_trip_ns"]) for rec in runs.get(k_n, []) if rec
                               and rec.get("core_round_trip_ns")
-                              and placement.is_far(rec["core_round_trip_ns"], fastest) == (where == "far")]
+                              and placement.is_far(rec["core_round_trip_ns"], fastest) == (where == "far")
+                              and rec.get("rate_after_warmup")]
                         e = statistics.median(sel) / (w * one["median"]) if sel and one else None
                         cells[where] = {"E": e, "runs": len(sel), "round_trip_ns": rt}
                     results[j].setdefault(f"E{w}_by_placement", {})[tool] = cells

@@ -48,6 +48,12 @@ def probe(exe):
         return None
 
 
+# Cores that share a cache pass a line in about 100 ns here; a session that only ever met the
+# far placement must not take its own fastest round trip for near.
+NEAR_NS = 150.0
+
+
 def is_far(trips, fastest):
-    """A run met a far placement when a round trip around it was over twice the fastest seen."""
-    return bool(trips) and max(trips) > 2 * fastest
+    """A run met a far placement when a round trip around it was over twice the fastest seen
+    (or than NEAR_NS, when even the fastest of the session was slower than that)."""
+    return bool(trips) and max(trips) > 2 * min(fastest, NEAR_NS)

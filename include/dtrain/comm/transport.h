@@ -81,7 +81,8 @@ class MappedCollectives {
   virtual ~MappedCollectives() = default;
   /// reduce_scatter without a copy in: rank q's input (size() * count elements) lies at
   /// inputs + q * stride bytes. Returns when every rank has read its block from every input,
-  /// so they may be reused then.
+  /// so they may be reused then. `output` may be this rank's block of input 0 or 1 (both are
+  /// read before it is written), not of any other input.
   virtual void reduce_scatter_mapped(const char* inputs, size_t stride, void* output, size_t count, DataType dtype,
                                      ReduceOp op, Deadline deadline) = 0;
   /// all_reduce in place without a copy in or out: rank q's vector (count elements) lies at

@@ -77,7 +77,9 @@
 //   slots in place (no copy in). The optimizer updates this rank's piece of the shared copy
 //   directly, so gather_parameters() is a barrier instead of an all_gather. The barrier
 //   inside synchronize() (every rank finished backward) and the one in gather_parameters()
-//   (every rank finished its update) keep writes and reads apart.
+//   (every rank finished its update) keep writes and reads apart. Each rank's averaged piece
+//   lies over its range of slot 0 or 1 (no memory of its own), so no backward may run between
+//   synchronize() and gather_parameters(): rank 0's or 1's would overwrite the others' pieces.
 // - ZeRO 3: the same one copy of the parameters, each rank's piece its slice of it (so 1/N of
 //   the parameters per rank, as the gathered path holds), and the blocks need no gathering:
 //   block_hooks() is null and gather_parameters() the barrier. The gradients take ZeRO 2's
