@@ -304,13 +304,13 @@ int main(int argc, char** argv) {
   }
   atomic_store(&turn, 2 * kPhases * reps);
   pthread_join(tb, NULL);
-  printf("{\"cpus\":[%d,%d],\"mib\":%zu,\"reps\":%d,\"round_trip_ns\":%.1f,\"read_own\":%.1f,\"read_remote\":%.1f,"
-         "\"rmw_own\":%.1f,\"rmw_after_remote\":%.1f,\"rmw_stream_after_remote\":%.1f,"
-         "\"rmw_after_remote_flushed\":%.1f,\"remote_read_flush\":%.1f,\"adamw_alone_ms\":%.3f,"
-         "\"adamw_both_ms\":%.3f}\n",
-         cpu_a, cpu_b, floats >> 18, reps, trip, median(own_read, reps), median(out[kRemote], reps),
-         median(own_rmw, reps), median(out[kAfterRead], reps), median(out[kAfterReadStream], reps),
-         median(out[kAfterReadFlush], reps), median(remote_flush, reps), median(adam_alone, reps),
-         median(out[kAdamBoth], reps));
+  printf(
+      "{\"cpus\":[%d,%d],\"mib\":%zu,\"reps\":%d,\"round_trip_ns\":%.1f,\"read_own\":%.1f,\"read_remote\":%.1f,"
+      "\"rmw_own\":%.1f,\"rmw_after_remote\":%.1f,\"rmw_stream_after_remote\":%.1f,"
+      "\"rmw_after_remote_flushed\":%.1f,\"remote_read_flush\":%.1f,\"adamw_alone_ms\":%.3f,"
+      "\"adamw_both_ms\":%.3f}\n",
+      cpu_a, cpu_b, floats >> 18, reps, trip, median(own_read, reps), median(out[kRemote], reps), median(own_rmw, reps),
+      median(out[kAfterRead], reps), median(out[kAfterReadStream], reps), median(out[kAfterReadFlush], reps),
+      median(remote_flush, reps), median(adam_alone, reps), median(out[kAdamBoth], reps));
   return 0;
 }
