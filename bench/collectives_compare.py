@@ -430,7 +430,7 @@ def print_placement(runs, tools):
         parts.append(f"{t} {far}/{len(trips[t])} [" + " ".join("/".join(f"{x:.0f}" for x in rec)
                                                              for rec in trips[t]) + "]")
     print(f"core-to-core round trip before/after each run, ns (bench/core_latency.c; runs over 2x "
-          f"{min(fast, placement.NEAR_NS):.0f} ns met a far placement and run slower): " + "; ".join(parts))
+          f"{placement.near_ns(fast):.0f} ns met a far placement and run slower): " + "; ".join(parts))
 
 
 def check_targets(a, n, runs, agg):

@@ -151,7 +151,6 @@ static struct adam_arrays adam_alloc(void) {
 // The protocol: B acts on even turns 2k (for round k), A on odd ones; each step hands over.
 enum { kPingPong, kRemote, kAfterRead, kAfterReadStream, kAfterReadFlush, kAdamBoth, kPhases };
 enum { kTrips = 20000, kTripBatches = 6 };  // the first batch untimed
-static int phase;
 static double b_seconds[256];
 static _Atomic int b_ready;
 
@@ -270,7 +269,7 @@ int main(int argc, char** argv) {
 
   double trip = 0;
   double out[kPhases][256], remote_flush[256];
-  for (phase = 0; phase < kPhases; ++phase) {
+  for (int phase = 0; phase < kPhases; ++phase) {
     if (phase == kPingPong) {
       double batch[kTripBatches];
       for (int k = 0; k < kTripBatches; ++k) {
@@ -286,11 +285,8 @@ int main(int argc, char** argv) {
     }
     for (int r = 0; r < reps; ++r) {
       const int t = 2 * (phase * reps + r);
-      if (phase != kAdamBoth) atomic_store(&turn, t);  // B's move
-      if (phase == kAdamBoth) {
-        evict_caches();
-        atomic_store(&turn, t);
-      }
+      if (phase == kAdamBoth) evict_caches();  // then both start from memory
+      atomic_store(&turn, t);                  // B's move
       wait_turn(t + 1);
       const double t0 = now();
       if (phase == kRemote) sink = sum(buf, floats);
@@ -302,7 +298,6 @@ int main(int argc, char** argv) {
       if (phase == kAfterReadFlush) remote_flush[r] = bytes / b_seconds[r] / 1e9;
     }
   }
-  atomic_store(&turn, 2 * kPhases * reps);
   pthread_join(tb, NULL);
   printf(
       "{\"cpus\":[%d,%d],\"mib\":%zu,\"reps\":%d,\"round_trip_ns\":%.1f,\"read_own\":%.1f,\"read_remote\":%.1f,"

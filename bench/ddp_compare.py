@@ -392,7 +392,8 @@ def main():
     errors = []
     t_start = time.time()
     # Multi-rank runs exchange data between the CPUs: each records where the host ran them.
-    probe_exe = None if saved else placement.build_probe(a.cc, (lambda msg: print(msg, file=sys.stderr)) if log else None)
+    say = (lambda msg: print(msg, file=sys.stderr)) if log else None
+    probe_exe = None if saved else placement.build_probe(a.cc, say)
     if saved:
         runs, errors = saved["runs"], saved["errors"]
     for r in range(a.repeats if not saved else 0):
@@ -500,7 +501,7 @@ def main():
         fastest = min(trips)
         print()
         print(f"E(n) by placement (bench/core_latency.c round trip between the first two CPUs before and after each "
-              f"multi-rank run; near: both within 2x {min(fastest, placement.NEAR_NS):.0f} ns; far: the host ran the "
+              f"multi-rank run; near: both within 2x {placement.near_ns(fastest):.0f} ns; far: the host ran the "
               f"CPUs far apart for some of the run); against the median of every world-1 run")
         prow = []
         for j in jobs:
@@ -510,16 +511,15 @@ def main():
                 for tool, k_n, k_1 in (("dtrain", dkey(j, w), dkey(j, 1)), ("torch", tkey(j, w), tkey(j, 1))):
                     one = summary(rates(k_1))
                     cells = {}
+                    placed = [rec for rec in runs.get(k_n, [])
+                              if rec and rec.get("core_round_trip_ns") and rec.get("rate_after_warmup")]
                     for where in ("near", "far"):
-                        sel = [rec["rate_after_warmup"] for rec in runs.get(k_n, []) if rec and rec.get("core_round_trip_ns")
-                               and placement.is_far(rec["core_round_trip_ns"], fastest) == (where == "far")
-                               and rec.get("rate_after_warmup")]
-                        rt = [max(rec["core_round_trip_ns"]) for rec in runs.get(k_n, []) if rec
-                              and rec.get("core_round_trip_ns")
-                              and placement.is_far(rec["core_round_trip_ns"], fastest) == (where == "far")
-                              and rec.get("rate_after_warmup")]
-                        e = statistics.median(sel) / (w * one["median"]) if sel and one else None
-                        cells[where] = {"E": e, "runs": len(sel), "round_trip_ns": rt}
+                        sel = [rec for rec in placed
+                               if placement.is_far(rec["core_round_trip_ns"], fastest) == (where == "far")]
+                        e = (statistics.median(rec["rate_after_warmup"] for rec in sel) / (w * one["median"])
+                             if sel and one else None)
+                        cells[where] = {"E": e, "runs": len(sel),
+                                        "round_trip_ns": [max(rec["core_round_trip_ns"]) for rec in sel]}
                     results[j].setdefault(f"E{w}_by_placement", {})[tool] = cells
                     prow.append([j, f"E({w})", tool] + [
                         f"{num(cells[x]['E'], 3)} ({cells[x]['runs']} runs"

@@ -53,7 +53,12 @@ def probe(exe):
 NEAR_NS = 150.0
 
 
+def near_ns(fastest):
+    """The round trip that stands for near in a session whose fastest was `fastest`."""
+    return min(fastest, NEAR_NS)
+
+
 def is_far(trips, fastest):
     """A run met a far placement when a round trip around it was over twice the fastest seen
     (or than NEAR_NS, when even the fastest of the session was slower than that)."""
-    return bool(trips) and max(trips) > 2 * min(fastest, NEAR_NS)
+    return bool(trips) and max(trips) > 2 * near_ns(fastest)
