@@ -93,7 +93,8 @@ elseif(DTRAIN_BUILD_TESTS)
     get_filename_component(name ${test} NAME_WE)
     string(REGEX REPLACE "^test_" "" name ${name})
     add_test(NAME torch_${name} COMMAND ${Python3_EXECUTABLE} ${test})
-    set_tests_properties(torch_${name} PROPERTIES TIMEOUT 900
+    # 77: a test that cannot run here says so (test_hosts without root).
+    set_tests_properties(torch_${name} PROPERTIES TIMEOUT 900 SKIP_RETURN_CODE 77
       ENVIRONMENT "PYTHONPATH=${PROJECT_BINARY_DIR}/python;DTRAIN_BINARY=$<TARGET_FILE:dtrain>;OMP_NUM_THREADS=1")
   endforeach()
 endif()

@@ -851,6 +851,20 @@ TEST(CommTcpGroupOptions, FromEnvInTwoProcessesUsesTheLauncherVariables) {
   for (pid_t pid : pids) EXPECT_EQ(reap(pid, 60000ms), 0);
 }
 
+// What a rank publishes when the store is elsewhere (the torch backend under torchrun, and
+// Group::from_env): the local address of the route to the store's host.
+TEST(CommTcpGroupOptions, AddressTowardIsTheLocalEndOfTheRouteAndNamesAHostThatDoesNotResolve) {
+  EXPECT_EQ(dtrain::comm::address_toward("127.0.0.1", 29500), "127.0.0.1");
+  try {
+    dtrain::comm::address_toward("no-such-host.invalid", 29500);
+    FAIL() << "an unresolvable host gave an address";
+  } catch (const dtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'no-such-host.invalid'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("DTRAIN_BIND_ADDR"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(dtrain::comm::address_toward("127.0.0.1", 70000), dtrain::Error);
+}
+
 // Asynchronous sends far larger than the socket buffers, then a blocking receive, all ranks at
 // once around a ring: the receive must not queue behind the send (that deadlocks).
 TEST(CommTcpGroupOptions, AsyncSendThenBlockingRecvAroundARingDoesNotDeadlock) {

@@ -260,12 +260,7 @@ Group Group::from_env(GroupOptions options) {
     if (set_and_not_empty(env.bind_address)) {
       options.bind_address = *env.bind_address;
     } else {
-      try {
-        options.bind_address = net::local_address_toward(addr, static_cast<uint16_t>(port));
-      } catch (const net::NetError& e) {
-        DT_THROW("comm", "cannot find the local address that reaches MASTER_ADDR={} ({}); set DTRAIN_BIND_ADDR", addr,
-                 e.message());
-      }
+      options.bind_address = address_toward(addr, port);
     }
   }
   if (options.secret.empty()) options.secret = secret;
@@ -300,6 +295,15 @@ LauncherVars launcher_vars() {
     if (v.size == nullptr) v.size = first_set({"SLURM_NTASKS"});
   }
   return v;
+}
+
+std::string address_toward(const std::string& host, int port) {
+  DT_CHECK(port >= 0 && port < 65536, "comm", "address_toward: port {} out of range", port);
+  try {
+    return net::local_address_toward(host, static_cast<uint16_t>(port));
+  } catch (const net::NetError& e) {
+    DT_THROW("comm", "cannot find the local address that reaches '{}' ({}); set DTRAIN_BIND_ADDR", host, e.message());
+  }
 }
 
 std::string host_name() {

@@ -14,8 +14,11 @@
 #include <cstring>
 #include <optional>
 #include <sstream>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dtrain/comm/compressed.h"
+#include "dtrain/core/error.h"
 #include "fault.h"
 #include "work.h"
 
@@ -36,6 +39,34 @@ void check_tensor(const at::Tensor& t, const char* op, const char* what) {
                     "'; the dtrain backend works on CPU tensors only (move it with .cpu(), or use NCCL for GPUs)");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "dtrain ", op, ": ", what, " has layout ", t.layout(),
                     "; the dtrain backend works on dense (strided) tensors only");
+}
+
+// Where this rank's TCP transport listens, which matters when the ranks span hosts: what
+// DTRAIN_BIND_ADDR says, else the local address that routes to the store the ranks met through
+// (torch's TCPStore under its PrefixStores: torchrun, env://, tcp://), else to MASTER_ADDR (dtrain
+// launch's store; its client is not a TCPStore). Empty (loopback) when none is known (file://)
+// or the route cannot be found: a group across hosts then says to set DTRAIN_BIND_ADDR.
+std::string bind_address(const c10::intrusive_ptr<c10d::Store>& store) {
+  if (const char* bind = std::getenv("DTRAIN_BIND_ADDR"); bind != nullptr && *bind != '\0') return bind;
+  c10d::Store* s = store.get();
+  while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(s)) s = prefix->getUnderlyingStore().get();
+  std::string host;
+  int port = 0;
+  if (const auto* tcp = dynamic_cast<const c10d::TCPStore*>(s); tcp != nullptr) {
+    host = tcp->getHost();
+    port = tcp->getPort();
+  } else if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') {
+    host = addr;
+    const char* p = std::getenv("MASTER_PORT");
+    port = p != nullptr ? std::atoi(p) : 0;
+    if (port < 0 || port > 65535) port = 0;
+  }
+  if (host.empty()) return "";
+  try {
+    return comm::address_toward(host, port);
+  } catch (const Error&) {
+    return "";
+  }
 }
 
 std::optional<comm::DataType> dtrain_dtype(at::ScalarType s) {
@@ -261,7 +292,7 @@ ProcessGroupDtrain::ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& st
   auto dstore = wrap_c10d_store(store);
   comm::GroupOptions go;
   go.timeout = std::chrono::duration_cast<comm::Duration>(options.timeout);
-  if (const char* bind = std::getenv("DTRAIN_BIND_ADDR"); bind != nullptr && *bind != '\0') go.bind_address = bind;
+  go.bind_address = bind_address(store);
   const char* secret = std::getenv("DTRAIN_SECRET");
   if (secret == nullptr || *secret == '\0') {
     // No job secret (torchrun, init_method tcp:// or file://): rank 0 makes one for the TCP

@@ -106,6 +106,12 @@ LauncherVars launcher_vars();
 /// This machine's host name (gethostname).
 std::string host_name();
 
+/// The address of the local interface that routes to `host` (a name or an address; `port` only
+/// picks the route): what a rank publishes for the others to reach it when the store is at
+/// host:port (127.0.0.1 when that host is this one). Nothing is sent. Throws dtrain::Error naming
+/// `host` when it does not resolve or no interface routes to it.
+std::string address_toward(const std::string& host, int port);
+
 class Store;
 class TcpStoreServer;
 

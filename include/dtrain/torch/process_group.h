@@ -56,7 +56,9 @@ class ProcessGroupDtrain final : public c10d::ProcessGroup {
  public:
   /// Joins a dtrain group of `size` ranks through `store` (every rank calls it). The TCP
   /// transport's secret is DTRAIN_SECRET when set; otherwise rank 0 makes one and passes it
-  /// through the store. DTRAIN_BIND_ADDR is the address a TCP rank listens on.
+  /// through the store. A TCP rank listens on DTRAIN_BIND_ADDR, or else on the local address
+  /// that routes to the store's host (torch's TCPStore, or MASTER_ADDR), so that a job across
+  /// hosts (torchrun --nnodes N) needs no setting.
   ProcessGroupDtrain(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const BackendOptions& options);
   ~ProcessGroupDtrain() override;
 
