@@ -384,6 +384,9 @@ def dp_worker(rank, args, init_method):
             def sync_hook(_state, bucket):
                 return dist.all_reduce(one, async_op=True).get_future().then(lambda _: bucket.buffer())
             net.register_comm_hook(None, sync_hook)
+        elif args.comm_hook == "torch-fp16":  # torch's own compressing hook, on any backend
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif args.comm_hook != "none":  # dtrain's compressed all_reduce with error feedback
             net.register_comm_hook(dtrain_torch.CompressionState(args.comm_hook), dtrain_torch.compression_hook)
     opt = make_optimizer(args, net.parameters())
@@ -509,12 +512,14 @@ def main():
         help="--backend dtrain: the folder holding the dtrain_torch package")
     p.add_argument("--launched", action="store_true",
                    help="--dp: started by a launcher (dtrain launch, torchrun) as one rank: env:// rendezvous")
-    p.add_argument("--comm-hook", choices=["none", "allreduce", "noop", "sync", "bf16", "fp16", "int8", "int4"],
+    p.add_argument("--comm-hook",
+                   choices=["none", "allreduce", "noop", "sync", "torch-fp16", "bf16", "fp16", "int8", "int4"],
                    default="none",
                    help="--dp: DDP communication hook: torch's allreduce_hook; noop, which communicates nothing "
                         "(each rank keeps its own gradients: the throughput no backend can beat); sync, which "
                         "all_reduces one element per bucket through a Python future callback and keeps the gradients "
-                        "(the ranks keep step, as with any backend, and move almost no data); or "
+                        "(the ranks keep step, as with any backend, and move almost no data); torch-fp16, torch's "
+                        "fp16_compress_hook (any backend); or "
                         "dtrain_torch.compression_hook with that codec (--backend dtrain)")
     p.add_argument("--image-size", type=int, default=32, help="resnet18: image side")
     p.add_argument("--images", type=int, default=2048, help="resnet18: generated images")
@@ -524,7 +529,7 @@ def main():
         args.batch_size = {"gpt": 16, "resnet18": 16}.get(args.model, 64)
     if args.lr is None:
         args.lr = 3e-4 if args.model == "gpt" else 1e-3
-    if args.comm_hook not in ("none", "allreduce", "noop", "sync") and args.backend != "dtrain":
+    if args.comm_hook not in ("none", "allreduce", "noop", "sync", "torch-fp16") and args.backend != "dtrain":
         sys.exit(f"--comm-hook {args.comm_hook} is dtrain's compressed all_reduce: it needs --backend dtrain")
     if args.model == "resnet18" and args.dp is None:
         sys.exit("--model resnet18 runs with --dp N (N >= 1)")
