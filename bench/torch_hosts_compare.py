@@ -9,8 +9,8 @@ told GLOO_SOCKET_IFNAME=eth0: in a namespace the host name resolves to loopback)
                                                   [--repeats 3] [--parts coll,ddp]
 
 coll: torch.distributed.all_reduce (float32, sum, in place) from 4 KiB to --max-bytes (16 MiB):
-      p50 of the slowest rank's time over timed calls, each after a barrier; busbw = bytes / p50 x
-      2(n-1)/n.
+      the time per call of batches of back-to-back calls (about 50 ms a batch; the slowest
+      rank's), p50 over --batches (7) batches; busbw = bytes / time x 2(n-1)/n.
 ddp:  bench/torch_reference.py --launched --dp N: the MLP 784-1024-1024-10 (64 per rank, SGD,
       one thread per process, about 7.5 MB of gradients a step) under DistributedDataParallel:
       samples/s after warm-up, on dtrain and gloo, and with a compressing DDP hook on each: torch's
@@ -50,16 +50,27 @@ def worker(a):
         dist.all_reduce(t)
         if not torch.equal(t, torch.full_like(t, n * (n + 1) / 2)):  # small integers: exact sums
             raise SystemExit(f"{a.worker}: wrong all_reduce result at {size} bytes: {t[:4]}")
-        iters = a.iters if size < (1 << 20) else max(5, a.iters // 4)
+        # Back to back, as nccl-tests times: a call after a barrier would find the link's token
+        # bucket refilled by however long the barrier took (gloo's take ~0.6 ms, dtrain's ~0.05),
+        # which measures the barrier, not the all_reduce. `k` calls make a batch of about 50 ms
+        # (the first call's time, the slowest rank's, sets it); a batch's time per call is the
+        # slowest rank's; p50 over --batches batches.
+        def slowest(seconds):
+            x = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            return x.item()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        k = max(1, min(200, int(0.05 / max(slowest(time.perf_counter() - t0), 1e-6))))
         times = []
-        for _ in range(iters + 2):
+        for _ in range(a.batches):
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(t)
-            mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's time
-            times.append(mine.item())
-        p50 = statistics.median(times[2:])
+            for _ in range(k):
+                dist.all_reduce(t)
+            times.append(slowest((time.perf_counter() - t0) / k))
+        p50 = statistics.median(times)
         rows.append({"bytes": size, "p50_us": p50 * 1e6, "busbw_gbs": size / p50 * 2 * (n - 1) / n / 1e9})
         size *= 4
     if rank == 0:
@@ -96,7 +107,7 @@ def env_for(backend):
 
 def coll(a, rate, backend):
     out = on_cluster(a, rate, torchrun(a, f"{os.path.abspath(__file__)} --worker {backend} --max-bytes "
-                                          f"{a.max_bytes} --iters {a.iters} --dtrain-python {a.dtrain_python}"),
+                                          f"{a.max_bytes} --batches {a.batches} --dtrain-python {a.dtrain_python}"),
                      env_for(backend))
     line = next(x for x in out.splitlines() if "RESULT " in x)
     return json.loads(line.split("RESULT ", 1)[1])
@@ -135,7 +146,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--parts", default="coll,ddp")
     p.add_argument("--max-bytes", type=int, default=16 << 20)
-    p.add_argument("--iters", type=int, default=20, help="timed all_reduces per size below 1 MiB (a quarter above)")
+    p.add_argument("--batches", type=int, default=7, help="timed batches of back-to-back all_reduces per size")
     p.add_argument("--ddp-steps", type=int, default=40)
     p.add_argument("--ddp-warmup", type=int, default=5)
     p.add_argument("--timeout", type=int, default=900)
