@@ -19,6 +19,7 @@
 
 #include "dtrain/comm/compressed.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/log.h"
 #include "fault.h"
 #include "work.h"
 
@@ -64,7 +65,8 @@ std::string bind_address(const c10::intrusive_ptr<c10d::Store>& store) {
   if (host.empty()) return "";
   try {
     return comm::address_toward(host, port);
-  } catch (const Error&) {
+  } catch (const Error& e) {
+    DT_LOG_WARN("dtrain backend: {}; listening on 127.0.0.1, which serves only ranks on this host", e.what());
     return "";
   }
 }
