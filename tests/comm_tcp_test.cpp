@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -856,6 +857,7 @@ TEST(CommTcpGroupOptions, FromEnvInTwoProcessesUsesTheLauncherVariables) {
 TEST(CommTcpGroupOptions, AddressTowardIsTheLocalEndOfTheRouteAndNamesAHostThatDoesNotResolve) {
   EXPECT_EQ(dtrain::comm::address_toward("127.0.0.1", 29500), "127.0.0.1");
   try {
+    // .invalid never resolves (RFC 6761); resolvers answer it without asking anyone.
     dtrain::comm::address_toward("no-such-host.invalid", 29500);
     FAIL() << "an unresolvable host gave an address";
   } catch (const dtrain::Error& e) {
@@ -863,6 +865,32 @@ TEST(CommTcpGroupOptions, AddressTowardIsTheLocalEndOfTheRouteAndNamesAHostThatD
     EXPECT_NE(std::string(e.what()).find("DTRAIN_BIND_ADDR"), std::string::npos) << e.what();
   }
   EXPECT_THROW(dtrain::comm::address_toward("127.0.0.1", 70000), dtrain::Error);
+  // This host's own name: where it resolves to loopback here (Debian's /etc/hosts), the address
+  // of an interface the others can reach instead, when there is one; else where the name routes.
+  const std::string me = dtrain::comm::host_name();
+  const std::string route = net::local_address_toward(me, 29500);
+  const auto interfaces = net::interface_addresses();
+  const net::InterfaceAddress* out = net::outward_address(interfaces);
+  const bool loopback = route.starts_with("127.") || route == "::1";
+  EXPECT_EQ(dtrain::comm::address_toward(me, 29500), loopback && out != nullptr ? out->address : route) << me;
+}
+
+// Which interface address stands for this host when routing cannot tell: the first one up and not
+// loopback, IPv4 before IPv6, never an IPv6 link-local one.
+TEST(CommTcpGroupOptions, OutwardAddressIsTheFirstUpNonLoopbackIPv4ThenAGlobalIPv6) {
+  using net::InterfaceAddress;
+  const std::vector<InterfaceAddress> ifs = {{"lo", "127.0.0.1", AF_INET, true, true},
+                                             {"eth1", "fe80::1", AF_INET6, true, false},
+                                             {"eth1", "fd00::2", AF_INET6, true, false},
+                                             {"eth0", "10.0.0.9", AF_INET, false, false},
+                                             {"eth2", "10.0.0.7", AF_INET, true, false}};
+  ASSERT_NE(net::outward_address(ifs), nullptr);
+  EXPECT_EQ(net::outward_address(ifs)->address, "10.0.0.7");  // eth0 is down
+  const std::vector<InterfaceAddress> v6 = {ifs[0], ifs[1], ifs[2]};
+  ASSERT_NE(net::outward_address(v6), nullptr);
+  EXPECT_EQ(net::outward_address(v6)->address, "fd00::2");
+  EXPECT_EQ(net::outward_address({ifs[0], ifs[1]}), nullptr);  // only loopback and link-local
+  EXPECT_FALSE(net::interface_addresses().empty());            // loopback at least
 }
 
 // Asynchronous sends far larger than the socket buffers, then a blocking receive, all ranks at

@@ -2,7 +2,9 @@
 // the store (host identities, the transport choice, the hierarchy's shape), the transport,
 // the executor and the health hooks (Group::create); the world of a launcher (from_env) or of
 // MPI (from_mpi). Nothing here runs after the group exists.
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -260,7 +262,11 @@ Group Group::from_env(GroupOptions options) {
     if (set_and_not_empty(env.bind_address)) {
       options.bind_address = *env.bind_address;
     } else {
-      options.bind_address = address_toward(addr, port);
+      try {
+        options.bind_address = address_toward(addr, port);
+      } catch (const Error& e) {
+        DT_THROW("comm", "MASTER_ADDR={}: {}", addr, e.what());
+      }
     }
   }
   if (options.secret.empty()) options.secret = secret;
@@ -299,11 +305,30 @@ LauncherVars launcher_vars() {
 
 std::string address_toward(const std::string& host, int port) {
   DT_CHECK(port >= 0 && port < 65536, "comm", "address_toward: port {} out of range", port);
+  std::string route;
   try {
-    return net::local_address_toward(host, static_cast<uint16_t>(port));
+    route = net::local_address_toward(host, static_cast<uint16_t>(port));
   } catch (const net::NetError& e) {
     DT_THROW("comm", "cannot find the local address that reaches '{}' ({}); set DTRAIN_BIND_ADDR", host, e.message());
   }
+  // A host name that this host maps to loopback names it for the others all the same: Debian's
+  // /etc/hosts maps the host's own name to 127.0.1.1, and torchrun's c10d rendezvous sets
+  // MASTER_ADDR to the first node's name. Loopback would reach no other host, so publish the
+  // address of an interface that other hosts can reach. A numeric loopback address or
+  // "localhost" means this host only: kept.
+  in6_addr numeric{};
+  const bool name = host != "localhost" && ::inet_pton(AF_INET, host.c_str(), &numeric) != 1 &&
+                    ::inet_pton(AF_INET6, host.c_str(), &numeric) != 1;
+  if (is_loopback(route) && name) {
+    const std::vector<net::InterfaceAddress> interfaces = net::interface_addresses();
+    if (const net::InterfaceAddress* out = net::outward_address(interfaces); out != nullptr) {
+      DT_LOG_DEBUG(
+          "comm: '{}' resolves to loopback on this host; publishing {} ({}) instead (DTRAIN_BIND_ADDR sets it)", host,
+          out->address, out->name);
+      return out->address;
+    }
+  }
+  return route;
 }
 
 std::string host_name() {

@@ -43,30 +43,34 @@ void check_tensor(const at::Tensor& t, const char* op, const char* what) {
 }
 
 // Where this rank's TCP transport listens, which matters when the ranks span hosts: what
-// DTRAIN_BIND_ADDR says, else the local address that routes to the store the ranks met through
-// (torch's TCPStore under its PrefixStores: torchrun, env://, tcp://), else to MASTER_ADDR (dtrain
-// launch's store; its client is not a TCPStore). Empty (loopback) when none is known (file://)
-// or the route cannot be found: a group across hosts then says to set DTRAIN_BIND_ADDR.
+// DTRAIN_BIND_ADDR says, else comm::address_toward the store the ranks met through: torch's
+// TCPStore under its PrefixStores (torchrun, env://, tcp://), or under dtrain launch its store at
+// MASTER_ADDR (the client dtrain_torch connects is not a TCPStore). Empty (loopback) for other
+// stores (file://) and when no route is found: a group across hosts then says to set
+// DTRAIN_BIND_ADDR.
 std::string bind_address(const c10::intrusive_ptr<c10d::Store>& store) {
   if (const char* bind = std::getenv("DTRAIN_BIND_ADDR"); bind != nullptr && *bind != '\0') return bind;
   c10d::Store* s = store.get();
   while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(s)) s = prefix->getUnderlyingStore().get();
   std::string host;
   int port = 0;
+  const char* hosted = std::getenv("DTRAIN_STORE_HOSTED");
   if (const auto* tcp = dynamic_cast<const c10d::TCPStore*>(s); tcp != nullptr) {
     host = tcp->getHost();
     port = tcp->getPort();
-  } else if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') {
-    host = addr;
+  } else if (const char* addr = std::getenv("MASTER_ADDR");
+             hosted != nullptr && std::string(hosted) == "1" && addr != nullptr && *addr != '\0') {
+    host = addr;  // the port only picks the route: 0 where MASTER_PORT is not a port
     const char* p = std::getenv("MASTER_PORT");
-    port = p != nullptr ? std::atoi(p) : 0;
-    if (port < 0 || port > 65535) port = 0;
+    char* end = nullptr;
+    const long v = p != nullptr ? std::strtol(p, &end, 10) : 0;
+    port = p != nullptr && end != p && *end == '\0' && v > 0 && v < 65536 ? static_cast<int>(v) : 0;
   }
   if (host.empty()) return "";
   try {
     return comm::address_toward(host, port);
   } catch (const Error& e) {
-    DT_LOG_WARN("dtrain backend: {}; listening on 127.0.0.1, which serves only ranks on this host", e.what());
+    DT_LOG_WARN("dtrain backend: {}; listening on 127.0.0.1, which ranks on other hosts cannot reach", e.what());
     return "";
   }
 }

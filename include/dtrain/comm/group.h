@@ -108,8 +108,10 @@ std::string host_name();
 
 /// The address of the local interface that routes to `host` (a name or an address; `port` only
 /// picks the route): what a rank publishes for the others to reach it when the store is at
-/// host:port (127.0.0.1 when that host is this one). Nothing is sent. Throws dtrain::Error naming
-/// `host` when it does not resolve or no interface routes to it.
+/// host:port. Nothing is sent. A loopback address when `host` is one (127.x, ::1, "localhost");
+/// when `host` is a name that this host maps to loopback (Debian maps its own name to 127.0.1.1)
+/// the first interface that is up and not loopback instead, since other hosts know the name by
+/// that. Throws dtrain::Error naming `host` when it does not resolve or no interface routes to it.
 std::string address_toward(const std::string& host, int port);
 
 class Store;
@@ -155,8 +157,9 @@ class Group {
   /// Joins the world described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR,
   /// MASTER_PORT, DTRAIN_SECRET); throws dtrain::Error naming a missing or malformed variable.
   /// The group is named "world", or "world@ID" with DTRAIN_RUN_ID=ID (an elastic round).
-  /// An empty options.bind_address becomes DTRAIN_BIND_ADDR if set, else the address of the
-  /// local interface that routes to MASTER_ADDR (127.0.0.1 when the master is local).
+  /// An empty options.bind_address becomes DTRAIN_BIND_ADDR if set, else
+  /// address_toward(MASTER_ADDR, MASTER_PORT): the address of the local interface that routes
+  /// to the master (127.0.0.1 when MASTER_ADDR is a loopback address).
   /// RANK and WORLD_SIZE may come from Open MPI (OMPI_COMM_WORLD_RANK, _SIZE), PMIx
   /// (PMIX_RANK), MPICH's PMI (PMI_RANK, PMI_SIZE) or Slurm (SLURM_PROCID, SLURM_NTASKS) instead.
   static Group from_env(GroupOptions options = {});

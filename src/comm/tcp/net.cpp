@@ -3,6 +3,8 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -181,6 +183,35 @@ std::string local_address_toward(const std::string& host, uint16_t port) {
     last_err = errno;
   }
   throw_sys("connect", last_err, fmt::format("no local address routes to '{}'", host));
+}
+
+std::vector<InterfaceAddress> interface_addresses() {
+  std::vector<InterfaceAddress> out;
+  ifaddrs* head = nullptr;
+  if (::getifaddrs(&head) != 0) return out;
+  for (const ifaddrs* a = head; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6)) continue;
+    char name[INET6_ADDRSTRLEN] = "";
+    const void* addr = a->ifa_addr->sa_family == AF_INET6
+                           ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(a->ifa_addr)->sin6_addr)
+                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr);
+    if (::inet_ntop(a->ifa_addr->sa_family, addr, name, sizeof(name)) == nullptr) continue;
+    out.push_back({a->ifa_name != nullptr ? a->ifa_name : "?", name, a->ifa_addr->sa_family,
+                   (a->ifa_flags & IFF_UP) != 0, (a->ifa_flags & IFF_LOOPBACK) != 0});
+  }
+  ::freeifaddrs(head);
+  return out;
+}
+
+const InterfaceAddress* outward_address(const std::vector<InterfaceAddress>& interfaces) {
+  for (int family : {AF_INET, AF_INET6}) {
+    for (const InterfaceAddress& a : interfaces) {
+      const bool link_local = family == AF_INET6 && (a.address.starts_with("fe8") || a.address.starts_with("fe9") ||
+                                                     a.address.starts_with("fea") || a.address.starts_with("feb"));
+      if (a.family == family && a.up && !a.loopback && !link_local) return &a;
+    }
+  }
+  return nullptr;
 }
 
 void set_nonblocking(int fd) {

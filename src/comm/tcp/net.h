@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dtrain/comm/types.h"
 #include "error.h"
@@ -57,6 +58,21 @@ std::string peer_name(int fd);
 /// The numeric local address this host would use to reach `host` (a UDP connect() that sends
 /// nothing, then getsockname): the address of the interface that routes there. Throws NetError.
 std::string local_address_toward(const std::string& host, uint16_t port);
+
+/// An address of one of this host's network interfaces, as getifaddrs lists them.
+struct InterfaceAddress {
+  std::string name;     // "eth0"
+  std::string address;  // numeric
+  int family = 0;       // AF_INET or AF_INET6
+  bool up = false;
+  bool loopback = false;
+};
+/// This host's interfaces' IPv4 and IPv6 addresses (getifaddrs), in its order; empty on failure.
+std::vector<InterfaceAddress> interface_addresses();
+/// The address other hosts are most likely to reach this one at, when routing cannot tell: the
+/// first interface that is up and not loopback with an IPv4 address, else one with an IPv6
+/// address that is not link-local (fe80::/10); nullptr when there is none.
+const InterfaceAddress* outward_address(const std::vector<InterfaceAddress>& interfaces);
 
 /// One connection attempt to every address `host` resolves to, until `deadline`. Returns a
 /// non-blocking, close-on-exec socket with TCP_NODELAY. Throws NetError (refused, timeout,
