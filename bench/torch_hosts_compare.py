@@ -13,9 +13,9 @@ coll: torch.distributed.all_reduce (float32, sum, in place) from 4 KiB to --max-
       rank's), p50 over --batches (7) batches; busbw = bytes / time x 2(n-1)/n.
 ddp:  bench/torch_reference.py --launched --dp N: the MLP 784-1024-1024-10 (64 per rank, SGD,
       one thread per process, about 7.5 MB of gradients a step) under DistributedDataParallel:
-      samples/s after warm-up, on dtrain and gloo, and with a compressing DDP hook on each: torch's
-      fp16_compress_hook on gloo, dtrain_torch.compression_hook("int8") (with error feedback) on
-      dtrain.
+      samples/s after warm-up, on dtrain and gloo, each also with torch's fp16_compress_hook,
+      and dtrain with dtrain_torch.compression_hook("int8") (error feedback; half fp16's bytes,
+      lossy). Rows with a hook also give the ratio to the same hook on gloo.
 Each repeat runs every configuration once, the backends alternating which goes first; cells are
 medians over the repeats [min-max], ratios dtrain / gloo of the medians. Results:
 bench/results/torch_hosts_compare.json (--out). `--worker` is this script's own rank program.
@@ -52,9 +52,9 @@ def worker(a):
             raise SystemExit(f"{a.worker}: wrong all_reduce result at {size} bytes: {t[:4]}")
         # Back to back, as nccl-tests times: a call after a barrier would find the link's token
         # bucket refilled by however long the barrier took (gloo's take ~0.6 ms, dtrain's ~0.05),
-        # which measures the barrier, not the all_reduce. `k` calls make a batch of about 50 ms
-        # (the first call's time, the slowest rank's, sets it); a batch's time per call is the
-        # slowest rank's; p50 over --batches batches.
+        # which measures the barrier, not the all_reduce. `k` calls (at least 3) make a batch of
+        # about 50 ms (the first call's time, the slowest rank's, sets it); a batch's time per
+        # call is the slowest rank's; p50 over --batches batches.
         def slowest(seconds):
             x = torch.tensor([seconds], dtype=torch.float64)
             dist.all_reduce(x, op=dist.ReduceOp.MAX)
@@ -62,7 +62,7 @@ def worker(a):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(t)
-        k = max(1, min(200, int(0.05 / max(slowest(time.perf_counter() - t0), 1e-6))))
+        k = max(3, min(200, int(0.05 / max(slowest(time.perf_counter() - t0), 1e-6))))
         times = []
         for _ in range(a.batches):
             dist.barrier()
@@ -113,11 +113,12 @@ def coll(a, rate, backend):
     return json.loads(line.split("RESULT ", 1)[1])
 
 
-DDP = {  # name: (backend, hook)
+DDP = {  # name: (backend, hook); a hook's row is also compared with the same hook on gloo
     "dtrain": ("dtrain", "none"),
     "gloo": ("gloo", "none"),
-    "dtrain+int8": ("dtrain", "int8"),
+    "dtrain+fp16": ("dtrain", "torch-fp16"),
     "gloo+fp16": ("gloo", "torch-fp16"),
+    "dtrain+int8": ("dtrain", "int8"),
 }
 
 
@@ -192,11 +193,13 @@ def main():
                       f"{cell([x['busbw_gbs'] for x in g], 3):>22}  {bw:>6.2f}")
         if "ddp" in parts:
             print(f"\nDDP MLP 784-1024-1024-10, 64 per rank, SGD: samples/s after {a.ddp_warmup} warm-up steps")
-            gloo = statistics.median(x["samples_per_s"] for x in res["ddp"]["gloo"])
+            rate = {k: statistics.median(x["samples_per_s"] for x in v) for k, v in res["ddp"].items()}
             for name in DDP:
                 v = [x["samples_per_s"] for x in res["ddp"][name]]
                 loss = statistics.median(x["final_loss"] for x in res["ddp"][name])
-                print(f"  {name:<12} {cell(v, 0):>24}  {statistics.median(v) / gloo:5.2f}x gloo   "
+                same = name.replace("dtrain", "gloo")
+                beside = f"  {rate[name] / rate[same]:5.2f}x {same}" if same != name and same in rate else ""
+                print(f"  {name:<12} {cell(v, 0):>24}  {rate[name] / rate['gloo']:5.2f}x gloo{beside:<20}  "
                       f"final loss {loss:.6f}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
