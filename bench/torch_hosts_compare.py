@@ -198,7 +198,7 @@ def main():
                 v = [x["samples_per_s"] for x in res["ddp"][name]]
                 loss = statistics.median(x["final_loss"] for x in res["ddp"][name])
                 same = name.replace("dtrain", "gloo")
-                beside = f"  {rate[name] / rate[same]:5.2f}x {same}" if same != name and same in rate else ""
+                beside = f"  {rate[name] / rate[same]:5.2f}x {same}" if "+" in name and same in rate else ""
                 print(f"  {name:<12} {cell(v, 0):>24}  {rate[name] / rate['gloo']:5.2f}x gloo{beside:<20}  "
                       f"final loss {loss:.6f}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
