@@ -43,6 +43,13 @@ def worker(a):
     torch.set_num_threads(1)
     dist.init_process_group(a.worker)
     rank, n = dist.get_rank(), dist.get_world_size()
+
+    def slowest(seconds):
+        """The largest of every rank's `seconds`."""
+        x = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x.item()
+
     rows = []
     size = 4096
     while size <= a.max_bytes:
@@ -55,10 +62,6 @@ def worker(a):
         # which measures the barrier, not the all_reduce. `k` calls (at least 3) make a batch of
         # about 50 ms (the first call's time, the slowest rank's, sets it); a batch's time per
         # call is the slowest rank's; p50 over --batches batches.
-        def slowest(seconds):
-            x = torch.tensor([seconds], dtype=torch.float64)
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
-            return x.item()
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(t)

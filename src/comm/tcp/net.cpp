@@ -52,21 +52,28 @@ void resolve(const std::string& host, uint16_t port, bool passive, AddrInfo& out
   }
 }
 
+// The numeric address of an IPv4 or IPv6 socket address; "" for another family or when
+// inet_ntop fails (errno says why).
+std::string numeric_host(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = "";
+  const void* addr = nullptr;
+  if (sa->sa_family == AF_INET) addr = &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr;
+  if (sa->sa_family == AF_INET6) addr = &reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr;
+  if (addr == nullptr || ::inet_ntop(sa->sa_family, addr, host, sizeof(host)) == nullptr) return "";
+  return host;
+}
+
 std::string address_name(const sockaddr* sa) {
-  char host[INET6_ADDRSTRLEN] = "?";
   uint16_t port = 0;
   if (sa->sa_family == AF_INET) {
-    const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
-    inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
-    port = ntohs(in->sin_port);
+    port = ntohs(reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
   } else if (sa->sa_family == AF_INET6) {
-    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
-    inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
-    port = ntohs(in6->sin6_port);
+    port = ntohs(reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port);
   } else {
     return "?";
   }
-  return endpoint(host, port);
+  const std::string host = numeric_host(sa);
+  return endpoint(host.empty() ? "?" : host, port);
 }
 
 }  // namespace
@@ -174,12 +181,7 @@ std::string local_address_toward(const std::string& host, uint16_t port) {
       last_err = errno;
       continue;
     }
-    char name[INET6_ADDRSTRLEN] = "";
-    const auto* sa = reinterpret_cast<const sockaddr*>(&ss);
-    const void* addr = sa->sa_family == AF_INET6
-                           ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr)
-                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr);
-    if (::inet_ntop(sa->sa_family, addr, name, sizeof(name)) != nullptr) return name;
+    if (std::string name = numeric_host(reinterpret_cast<const sockaddr*>(&ss)); !name.empty()) return name;
     last_err = errno;
   }
   throw_sys("connect", last_err, fmt::format("no local address routes to '{}'", host));
@@ -190,13 +192,10 @@ std::vector<InterfaceAddress> interface_addresses() {
   ifaddrs* head = nullptr;
   if (::getifaddrs(&head) != 0) return out;
   for (const ifaddrs* a = head; a != nullptr; a = a->ifa_next) {
-    if (a->ifa_addr == nullptr || (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6)) continue;
-    char name[INET6_ADDRSTRLEN] = "";
-    const void* addr = a->ifa_addr->sa_family == AF_INET6
-                           ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(a->ifa_addr)->sin6_addr)
-                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr);
-    if (::inet_ntop(a->ifa_addr->sa_family, addr, name, sizeof(name)) == nullptr) continue;
-    out.push_back({a->ifa_name != nullptr ? a->ifa_name : "?", name, a->ifa_addr->sa_family,
+    if (a->ifa_addr == nullptr) continue;
+    std::string name = numeric_host(a->ifa_addr);  // IPv4 and IPv6 only
+    if (name.empty()) continue;
+    out.push_back({a->ifa_name != nullptr ? a->ifa_name : "?", std::move(name), a->ifa_addr->sa_family,
                    (a->ifa_flags & IFF_UP) != 0, (a->ifa_flags & IFF_LOOPBACK) != 0});
   }
   ::freeifaddrs(head);
